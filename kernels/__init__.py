@@ -1,0 +1,1 @@
+"""Triton kernels and their torch references (installed as ``tangram_sgl.kernels``)."""

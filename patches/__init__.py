@@ -1,0 +1,1 @@
+"""SGLang hooks, one module per SGLang seam (installed as ``tangram_sgl.patches``)."""

@@ -1,0 +1,1 @@
+"""Offline profiling: calibration data, scorers, budgets, grouping and AOT split tables."""
