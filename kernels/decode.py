@@ -1,0 +1,228 @@
+"""Split-KV paged decode over head-group pages, split by the AOT table (no host planning).
+
+Layout (the pool contract): ``k_buffer``/``v_buffer`` are ``[num_pages, H_p, page_size, D]``; a slot is
+``page * page_size + offset``; for request r and group g the kept tokens are the slots
+``kv_indices[kv_indptr[r*G + g] : kv_indptr[r*G + g + 1]]`` and kv head h of the layer reads column
+``head_column[h]`` of group ``head_group[h]``.
+
+Launch: grid ``(B, Hkv, max_splits)``. Program (r, h, s) derives its kv range on the GPU: with n the
+(r, g) length and S_g = ``splits[g]`` (the AOT table row of the batch bucket),
+``chunk = max(min_split_tokens, ceil(n / S_g))`` and it covers ``[s*chunk, min((s+1)*chunk, n))``;
+programs past the last chunk exit at once. The G_q query heads of kv head h are processed together
+(rows of one ``tl.dot``). A (r, h) with a single chunk writes the output directly; otherwise each chunk
+writes a partial (acc, lse) and a log-sum-exp merge kernel combines them. Shapes depend only on
+(B, Hq, Hkv, D, max_splits), so a batch bucket has one fixed launch: CUDA-graph capturable, no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, O, MidO, MidLse,
+    KvIndptr, KvIndices, HeadGroup, HeadColumn, Splits,
+    sm_scale, num_groups, min_split,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_kp, stride_kc, stride_kt, stride_vp, stride_vc, stride_vt,
+    PAGE: tl.constexpr, GQ: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, MAX_S: tl.constexpr,
+):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
+    g = tl.load(HeadGroup + h)
+    c = tl.load(HeadColumn + h).to(tl.int64)
+    kv_start = tl.load(KvIndptr + r * num_groups + g)
+    n = tl.load(KvIndptr + r * num_groups + g + 1) - kv_start
+    n_split = tl.minimum(tl.load(Splits + g), MAX_S)
+    chunk = tl.maximum(min_split, tl.cdiv(n, n_split))
+    lo = s * chunk
+    if lo < n:
+        hi = tl.minimum(lo + chunk, n)
+        num_chunks = tl.cdiv(n, chunk)
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < GQ
+        offs_d = tl.arange(0, D)
+        q = tl.load(
+            Q + r * stride_qb + (h * GQ + offs_h)[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_h[:, None], other=0.0,
+        )
+        q = (q.to(tl.float32) * sm_scale).to(K.dtype.element_ty)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            slot = tl.load(KvIndices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+            page = slot // PAGE
+            tok = slot % PAGE
+            k_row = page * stride_kp + c * stride_kc + tok * stride_kt
+            v_row = page * stride_vp + c * stride_vc + tok * stride_vt
+            k = tl.load(K + k_row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(k))
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            v = tl.load(V + v_row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        if num_chunks == 1:
+            tl.store(
+                O + r * stride_ob + (h * GQ + offs_h)[:, None] * stride_oh + offs_d[None, :],
+                out.to(O.dtype.element_ty), mask=mask_h[:, None],
+            )
+        else:
+            part = ((r * num_kv_heads + h) * MAX_S + s) * BLOCK_H
+            tl.store(MidO + (part + offs_h)[:, None] * D + offs_d[None, :], out)
+            tl.store(MidLse + part + offs_h, m_i + tl.log(l_i))
+
+
+@triton.jit
+def _decode_merge_kernel(
+    O, MidO, MidLse, KvIndptr, HeadGroup, Splits,
+    num_groups, min_split, stride_ob, stride_oh,
+    GQ: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, MAX_S: tl.constexpr,
+):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    num_kv_heads = tl.num_programs(1)
+    g = tl.load(HeadGroup + h)
+    kv_start = tl.load(KvIndptr + r * num_groups + g)
+    n = tl.load(KvIndptr + r * num_groups + g + 1) - kv_start
+    n_split = tl.minimum(tl.load(Splits + g), MAX_S)
+    chunk = tl.maximum(min_split, tl.cdiv(n, n_split))
+    num_chunks = tl.cdiv(n, chunk)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GQ
+    offs_d = tl.arange(0, D)
+    o_ptr = O + r * stride_ob + (h * GQ + offs_h)[:, None] * stride_oh + offs_d[None, :]
+    if num_chunks == 0:
+        tl.store(o_ptr, tl.zeros([BLOCK_H, D], tl.float32).to(O.dtype.element_ty), mask=mask_h[:, None])
+    elif num_chunks > 1:
+        base = (r * num_kv_heads + h) * MAX_S * BLOCK_H
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
+        for i in range(0, num_chunks):
+            lse = tl.load(MidLse + base + i * BLOCK_H + offs_h)
+            o = tl.load(MidO + (base + i * BLOCK_H + offs_h)[:, None] * D + offs_d[None, :])
+            m_new = tl.maximum(m, lse)
+            a = tl.exp(m - m_new)
+            b = tl.exp(lse - m_new)
+            acc = acc * a[:, None] + o * b[:, None]
+            l_sum = l_sum * a + b
+            m = m_new
+        tl.store(o_ptr, (acc / l_sum[:, None]).to(O.dtype.element_ty), mask=mask_h[:, None])
+
+
+def _block_h(gq: int) -> int:
+    return max(16, triton.next_power_of_2(gq))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    head_group: torch.Tensor,
+    head_column: torch.Tensor,
+    splits: torch.Tensor,
+    *,
+    max_splits: int,
+    min_split_tokens: int,
+    sm_scale: float,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Decode attention of one layer over the head-group page pool; returns ``[B, Hq, D]`` like ``q``.
+
+    q: [B, Hq, D]; k_buffer, v_buffer: [num_pages, H_p, page_size, D]; kv_indptr: int32 [B*G + 1];
+    kv_indices: int32 slots; head_group, head_column: int32 [Hkv] for this layer; splits: int32 [G], the
+    AOT split counts of the batch bucket; max_splits: the launch's split dimension (>= max(splits), a
+    per-bucket constant). An empty (request, group) gives zeros.
+    """
+    B, hq, D = q.shape
+    hkv = head_group.shape[0]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} are not a multiple of kv heads {hkv}")
+    if min_split_tokens < 1 or max_splits < 1:
+        raise ValueError("min_split_tokens and max_splits must be >= 1")
+    if k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q, k_buffer and v_buffer must be contiguous along head_dim")
+    if (kv_indptr.shape[0] - 1) % B:
+        raise ValueError(f"kv_indptr has {kv_indptr.shape[0]} entries, not B*G+1 for B={B}")
+    num_groups = (kv_indptr.shape[0] - 1) // B
+    gq = hq // hkv
+    bh = _block_h(gq)
+    page = k_buffer.shape[2]
+    out = torch.empty_like(q)
+    mid_o = torch.empty((B, hkv, max_splits, bh, D), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((B, hkv, max_splits, bh), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(B, hkv, max_splits)](
+        q, k_buffer, v_buffer, out, mid_o, mid_lse,
+        kv_indptr, kv_indices, head_group, head_column, splits,
+        sm_scale, num_groups, min_split_tokens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), k_buffer.stride(2),
+        v_buffer.stride(0), v_buffer.stride(1), v_buffer.stride(2),
+        PAGE=page, GQ=gq, BLOCK_H=bh, D=D, BLOCK_N=block_n, MAX_S=max_splits,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    _decode_merge_kernel[(B, hkv)](
+        out, mid_o, mid_lse, kv_indptr, head_group, splits,
+        num_groups, min_split_tokens, out.stride(0), out.stride(1),
+        GQ=gq, BLOCK_H=bh, D=D, MAX_S=max_splits, num_warps=4,
+    )
+    return out
+
+
+def gather_head_kv(
+    buffer: torch.Tensor, slots: torch.Tensor, column: int
+) -> torch.Tensor:
+    """[n, D] tokens of one column at the given slots (pool layout ``[pages, H_p, page_size, D]``)."""
+    page_size = buffer.shape[2]
+    slots = slots.long()
+    return buffer[slots // page_size, column, slots % page_size]
+
+
+def paged_decode_torch(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    head_group: torch.Tensor,
+    head_column: torch.Tensor,
+    *,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Reference: per (request, kv head) softmax attention over its group's slot list, in float32."""
+    B, hq, D = q.shape
+    hkv = head_group.shape[0]
+    gq = hq // hkv
+    num_groups = (kv_indptr.shape[0] - 1) // B
+    out = torch.zeros(B, hq, D, dtype=torch.float32, device=q.device)
+    for r in range(B):
+        for h in range(hkv):
+            g, c = int(head_group[h]), int(head_column[h])
+            lo, hi = int(kv_indptr[r * num_groups + g]), int(kv_indptr[r * num_groups + g + 1])
+            if hi == lo:
+                continue
+            slots = kv_indices[lo:hi]
+            k = gather_head_kv(k_buffer, slots, c).float()
+            v = gather_head_kv(v_buffer, slots, c).float()
+            qh = q[r, h * gq : (h + 1) * gq].float()
+            p = torch.softmax(qh @ k.T * sm_scale, dim=-1)
+            out[r, h * gq : (h + 1) * gq] = p @ v
+    return out.to(q.dtype)

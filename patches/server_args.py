@@ -1,0 +1,117 @@
+"""Seam: ``sglang.srt.server_args.ServerArgs`` — the ``--kv-policy`` / ``--tangram-profile`` options.
+
+SGLang's ServerArgs is a dataclass with no plugin fields, so the policy is *mapped* onto existing fields:
+``--kv-policy tangram`` sets ``attention_backend="tangram"``, ``radix_cache_backend="tangram"`` and the
+profile's page size, and exports ``TANGRAM_KV_POLICY`` / ``TANGRAM_PROFILE`` into ``os.environ`` so the
+scheduler processes SGLang spawns (they inherit the environment) know the policy and the profile.
+
+Hooks: AFTER ``ServerArgs.add_cli_args`` (adds the options to the parser), AROUND
+``ServerArgs.from_cli_args`` (CLI path) and AROUND ``ServerArgs.__init__`` (``sglang.Engine(kv_policy=...)``
+and ``ServerArgs(kv_policy=...)``). Conflicting settings fail with a message naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Callable, MutableMapping
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from tangram_sgl.profile import load_profile
+
+KV_POLICIES = ("default", "tangram")
+ENV_POLICY = "TANGRAM_KV_POLICY"
+ENV_PROFILE = "TANGRAM_PROFILE"
+_SA = "sglang.srt.server_args.ServerArgs"
+
+# Features whose KV handling tangram_sgl does not implement: (ServerArgs field, its "off" value, flag).
+_UNSUPPORTED = (
+    ("enable_hierarchical_cache", False, "--enable-hierarchical-cache"),
+    ("disable_radix_cache", False, "--disable-radix-cache"),
+    ("enable_lmcache", False, "--enable-lmcache"),
+    ("speculative_algorithm", None, "--speculative-algorithm"),
+    ("disaggregation_mode", "null", "--disaggregation-mode"),
+)
+_SUPPORTED_KV_DTYPES = ("auto", "bf16", "bfloat16", "float16")
+
+
+class KvPolicyError(ValueError):
+    """``--kv-policy tangram`` was combined with settings it cannot honour."""
+
+
+def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
+    """AFTER ServerArgs.add_cli_args: add the tangram options."""
+    group = parser.add_argument_group("tangram_sgl (per-head KV compression)")
+    group.add_argument("--kv-policy", choices=KV_POLICIES, default="default",
+                       help="KV-cache policy. 'tangram' keeps a per-head budget of each turn's tokens "
+                            "(needs --tangram-profile).")
+    group.add_argument("--tangram-profile", type=str, default=None,
+                       help="Budget profile JSON made by `tangram-sgl profile` (or `tangram-sgl synth`).")
+
+
+def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profile_path: str | None) -> None:
+    """Rewrite ServerArgs field values in place for ``policy``; export the policy for child processes.
+
+    ``fields`` maps ServerArgs field names to the values the user gave (absent or None = unset).
+    """
+    policy = policy or "default"
+    if policy not in KV_POLICIES:
+        raise KvPolicyError(f"--kv-policy: expected one of {KV_POLICIES}, got {policy!r}")
+    if policy == "default":
+        if profile_path:
+            raise KvPolicyError("--tangram-profile was given without --kv-policy tangram")
+        os.environ.pop(ENV_POLICY, None)
+        os.environ.pop(ENV_PROFILE, None)
+        return
+    if not profile_path:
+        raise KvPolicyError("--kv-policy tangram needs --tangram-profile PATH (see `tangram-sgl profile --help`)")
+    profile = load_profile(profile_path)  # the model check runs in the scheduler, where the config is loaded
+    for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        given = fields.get(name)
+        if given not in (None, "tangram"):
+            raise KvPolicyError(f"--kv-policy tangram runs its own attention backend; "
+                                f"--{name.replace('_', '-')} {given} is not supported with it")
+    given = fields.get("radix_cache_backend")
+    if given not in (None, "tangram"):
+        raise KvPolicyError(f"--kv-policy tangram needs the tangram radix cache; "
+                            f"--radix-cache-backend {given} is not supported with it")
+    page_size = fields.get("page_size")
+    if page_size not in (None, profile.page_size):
+        raise KvPolicyError(f"--page-size {page_size} differs from the profile's page_size {profile.page_size}; "
+                            f"omit --page-size or use a profile made for it")
+    kv_dtype = fields.get("kv_cache_dtype")
+    if kv_dtype not in (None, *_SUPPORTED_KV_DTYPES):
+        raise KvPolicyError(f"--kv-policy tangram supports --kv-cache-dtype {'/'.join(_SUPPORTED_KV_DTYPES)}, "
+                            f"not {kv_dtype!r} (quantised KV is not implemented)")
+    for name, off, flag in _UNSUPPORTED:
+        if name in fields and fields[name] not in (off, None):
+            raise KvPolicyError(f"--kv-policy tangram does not support {flag} (got {fields[name]!r})")
+    fields["attention_backend"] = "tangram"
+    fields["radix_cache_backend"] = "tangram"
+    fields["page_size"] = profile.page_size
+    os.environ[ENV_POLICY] = "tangram"
+    os.environ[ENV_PROFILE] = str(Path(profile_path).resolve())
+
+
+def from_cli_args_around(original: Callable, cls: type, args: argparse.Namespace) -> Any:
+    """AROUND ServerArgs.from_cli_args: map --kv-policy onto the namespace before SGLang reads it."""
+    fields = vars(args)
+    apply_kv_policy(fields, fields.pop("kv_policy", None), fields.pop("tangram_profile", None))
+    return original(cls, args)
+
+
+def init_around(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
+    """AROUND ServerArgs.__init__: accept ``kv_policy=`` / ``tangram_profile=`` keywords (Engine API)."""
+    policy = kwargs.pop("kv_policy", None)
+    profile = kwargs.pop("tangram_profile", None)
+    if policy is not None or profile is not None:
+        apply_kv_policy(kwargs, policy, profile)
+    original(self, *args, **kwargs)
+
+
+def register() -> None:
+    HookRegistry.register(f"{_SA}.add_cli_args", add_cli_args_after, HookType.AFTER)
+    HookRegistry.register(f"{_SA}.from_cli_args", from_cli_args_around, HookType.AROUND)
+    HookRegistry.register(f"{_SA}.__init__", init_around, HookType.AROUND)

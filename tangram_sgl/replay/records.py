@@ -1,0 +1,133 @@
+"""Per-turn measurements, their summary, and the results JSON."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+
+@dataclass
+class TurnRecord:
+    """One turn of one session, as the driver saw it.
+
+    Times are seconds. ``cached_tokens`` is the prompt prefix the engine reused from its cache (the
+    endpoint's ``usage.prompt_tokens_details.cached_tokens``; None when the endpoint does not report it).
+    ``kv_bytes_kept`` / ``kv_bytes_full`` are filled by the reference engine only: bytes of K+V the
+    conversation holds after the turn vs what an uncompressed cache would hold for the same tokens.
+    """
+
+    session: str
+    turn: int
+    start_s: float
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    latency_s: float | None = None
+    answer: str = ""
+    expected: str | None = None
+    error: str | None = None
+    kv_bytes_kept: int | None = None
+    kv_bytes_full: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _percentiles(values: Sequence[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    a = np.asarray(values, dtype=np.float64)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99), "max": float(a.max())}
+
+
+def summarize(records: Sequence[TurnRecord], wall_s: float) -> dict[str, Any]:
+    """Throughput, latency percentiles, cache hits and errors over all turns."""
+    ok = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens or 0 for r in ok)
+    prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    reported = [r for r in ok if r.cached_tokens is not None]
+    cached = sum(r.cached_tokens for r in reported)
+    summary: dict[str, Any] = {
+        "turns": len(records),
+        "turns_ok": len(ok),
+        "errors": len(records) - len(ok),
+        "sessions": len({r.session for r in records}),
+        "wall_s": wall_s,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
+        "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else None,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
+        "cached_tokens": cached if reported else None,
+        "cache_hit_ratio": cached / sum(r.prompt_tokens or 0 for r in reported) if reported and prompt_tokens else None,
+        "ttft_s": _percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_s": _percentiles([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "latency_s": _percentiles([r.latency_s for r in ok if r.latency_s is not None]),
+    }
+    with_kv = [r for r in ok if r.kv_bytes_kept is not None]
+    if with_kv:
+        last = {}
+        for r in with_kv:  # a session's KV after its last turn
+            last[r.session] = r
+        kept = sum(r.kv_bytes_kept for r in last.values())
+        full = sum(r.kv_bytes_full for r in last.values())
+        summary["kv_bytes_kept"] = kept
+        summary["kv_bytes_full"] = full
+        summary["kv_kept_fraction"] = kept / full if full else None
+    scored = [r for r in ok if r.expected]
+    if scored:
+        hits = sum(r.expected.lower() in r.answer.lower() for r in scored)
+        summary["expected_answer_contained"] = {"turns": len(scored), "hits": hits}
+    first_errors = sorted({r.error for r in records if r.error})[:5]
+    if first_errors:
+        summary["error_examples"] = first_errors
+    return summary
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine facts recorded with every result."""
+    import torch
+    import transformers
+
+    import tangram_sgl
+
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tangram_sgl": getattr(tangram_sgl, "__version__", "unknown"),
+        "cpu_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def write_results(path: str | Path, *, command: Sequence[str], mode: str, config: dict[str, Any],
+                  workload: dict[str, Any], records: Sequence[TurnRecord], wall_s: float) -> dict[str, Any]:
+    """Write the results JSON (command, versions, date, config, workload, per-turn records, summary)."""
+    doc = {
+        "format": "tangram-replay",
+        "version": 1,
+        "command": list(command),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "mode": mode,
+        "environment": environment(),
+        "config": config,
+        "workload": workload,
+        "summary": summarize(records, wall_s),
+        "turns": [asdict(r) for r in records],
+    }
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc

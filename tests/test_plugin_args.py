@@ -1,0 +1,168 @@
+"""The plugin through SGLang 0.5.17's real argument parsing, Engine-style construction, and a spawned child."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tangram_sgl.profile_builder import uniform_profile
+
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "intermediate_size": 128,
+    "vocab_size": 128, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+}
+
+
+@pytest.fixture(scope="module")
+def sglang_loaded():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt import server_args
+
+    return server_args
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    import json
+
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    return d
+
+
+@pytest.fixture
+def profile_path(tmp_path, model_dir):
+    p = tmp_path / "profile.json"
+    uniform_profile(model_dir, 0.5, page_size=16).save(p)
+    return p
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    monkeypatch.delenv("TANGRAM_KV_POLICY", raising=False)
+    monkeypatch.delenv("TANGRAM_PROFILE", raising=False)
+
+
+def _parse(sglang_loaded, *argv: str):
+    return sglang_loaded.prepare_server_args(["--device", "cpu", "--random-seed", "1", *argv])
+
+
+def test_kv_policy_reaches_resolved_server_args(sglang_loaded, model_dir, profile_path):
+    sa = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram",
+                "--tangram-profile", str(profile_path))
+    assert (sa.attention_backend, sa.radix_cache_backend, sa.page_size) == ("tangram", "tangram", 16)
+    assert os.environ["TANGRAM_KV_POLICY"] == "tangram"
+    assert os.environ["TANGRAM_PROFILE"] == str(profile_path.resolve())
+
+
+def test_default_policy_leaves_sglang_untouched(sglang_loaded, model_dir):
+    plain = _parse(sglang_loaded, "--model-path", str(model_dir))
+    default = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "default")
+    assert plain == default
+    assert plain.radix_cache_backend is None and plain.attention_backend != "tangram"
+    assert "TANGRAM_KV_POLICY" not in os.environ
+
+
+def test_engine_keywords(sglang_loaded, model_dir, profile_path):
+    # sglang.Engine(**kwargs) builds ServerArgs(**kwargs) after load_plugins(): the same path.
+    sa = sglang_loaded.ServerArgs(model_path=str(model_dir), device="cpu", kv_policy="tangram",
+                                  tangram_profile=str(profile_path))
+    assert (sa.attention_backend, sa.radix_cache_backend) == ("tangram", "tangram")
+
+
+@pytest.mark.parametrize("extra,message", [
+    ((), r"--kv-policy tangram needs --tangram-profile PATH"),
+    (("--attention-backend", "triton"), r"--attention-backend triton is not supported with it"),
+    (("--page-size", "1"), r"--page-size 1 differs from the profile's page_size 16"),
+    (("--enable-hierarchical-cache",), r"does not support --enable-hierarchical-cache"),
+    (("--kv-cache-dtype", "fp8_e4m3"), r"not 'fp8_e4m3' \(quantised KV is not implemented\)"),
+])
+def test_incompatible_flags_fail_clearly(sglang_loaded, model_dir, profile_path, extra, message):
+    from tangram_sgl.patches.server_args import KvPolicyError
+
+    argv = ["--model-path", str(model_dir), "--kv-policy", "tangram", *extra]
+    if extra:
+        argv += ["--tangram-profile", str(profile_path)]
+    with pytest.raises(KvPolicyError, match=message):
+        _parse(sglang_loaded, *argv)
+
+
+def test_bad_profile_fails_at_parse_time(sglang_loaded, model_dir, tmp_path):
+    from tangram_sgl.profile import ProfileError
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "tangram-profile", "version": 1, "model"')
+    with pytest.raises(ProfileError, match="not valid JSON"):
+        _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile", str(bad))
+
+
+def _scheduler_child(server_args, queue) -> None:
+    """What SGLang's run_scheduler_process does first in a spawned child: load_plugins()."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from tangram_sgl.patches.attention_backend import create_tangram_backend
+    from tangram_sgl.patches import radix_cache
+
+    queue.put({
+        "attention_backend": server_args.attention_backend,
+        "radix_cache_backend": server_args.radix_cache_backend,
+        "page_size": server_args.page_size,
+        "env_policy": os.environ.get("TANGRAM_KV_POLICY"),
+        "env_profile": os.environ.get("TANGRAM_PROFILE"),
+        "attn_registered": ATTENTION_BACKENDS.get("tangram") is create_tangram_backend,
+        "radix_registered": get_radix_cache_factory("tangram") is radix_cache.create_tangram_tree_cache,
+    })
+
+
+def test_policy_carries_into_spawned_scheduler_process(sglang_loaded, model_dir, profile_path):
+    sa = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram",
+                "--tangram-profile", str(profile_path))
+    ctx = mp.get_context("spawn")  # SGLang starts schedulers with spawn
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_scheduler_child, args=(sa, queue))
+    proc.start()
+    seen = queue.get(timeout=120)
+    proc.join(timeout=30)
+    assert proc.exitcode == 0
+    assert seen == {
+        "attention_backend": "tangram", "radix_cache_backend": "tangram", "page_size": 16,
+        "env_policy": "tangram", "env_profile": str(profile_path.resolve()),
+        "attn_registered": True, "radix_registered": True,
+    }
+
+
+def test_launch_server_help_lists_the_options():
+    out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--kv-policy" in out.stdout and "--tangram-profile" in out.stdout
+    assert "{default,tangram}" in out.stdout
+
+
+def test_selecting_the_unbuilt_backend_fails_loudly(sglang_loaded):
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    from tangram_sgl.patches.attention_backend import TangramNotServable
+
+    with pytest.raises(TangramNotServable, match="not implemented"):
+        ATTENTION_BACKENDS["tangram"](object())
+
+
+def test_console_script_help():
+    out = subprocess.run([str(Path(sys.executable).parent / "tangram-sgl"), "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for sub in ("profile", "synth", "validate", "replay"):
+        assert sub in out.stdout
