@@ -9,8 +9,9 @@ Launch: grid ``(B, Hkv, max_splits)``. Program (r, h, s) derives its kv range on
 (r, g) length and S_g = ``splits[g]`` (the AOT table row of the batch bucket),
 ``chunk = max(min_split_tokens, ceil(n / S_g))`` and it covers ``[s*chunk, min((s+1)*chunk, n))``;
 programs past the last chunk exit at once. The G_q query heads of kv head h are processed together
-(rows of one ``tl.dot``). A (r, h) with a single chunk writes the output directly; otherwise each chunk
-writes a partial (acc, lse) and a log-sum-exp merge kernel combines them. Shapes depend only on
+(rows of one ``tl.dot``). A (r, h) with a single chunk writes the output directly (an empty one writes
+zeros); otherwise each chunk writes a partial (acc, lse) and a log-sum-exp merge kernel combines them
+(not launched when the bucket's max_splits is 1). Shapes depend only on
 (B, Hq, Hkv, D, max_splits), so a batch bucket has one fixed launch: CUDA-graph capturable, no host sync.
 """
 
@@ -42,12 +43,16 @@ def _decode_split_kernel(
     n_split = tl.minimum(tl.load(Splits + g), MAX_S)
     chunk = tl.maximum(min_split, tl.cdiv(n, n_split))
     lo = s * chunk
-    if lo < n:
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GQ
+    offs_d = tl.arange(0, D)
+    o_ptr = O + r * stride_ob + (h * GQ + offs_h)[:, None] * stride_oh + offs_d[None, :]
+    if n == 0:
+        if s == 0:  # an empty (request, group) attends to nothing: zeros, as FlashInfer gives
+            tl.store(o_ptr, tl.zeros([BLOCK_H, D], tl.float32).to(O.dtype.element_ty), mask=mask_h[:, None])
+    elif lo < n:
         hi = tl.minimum(lo + chunk, n)
         num_chunks = tl.cdiv(n, chunk)
-        offs_h = tl.arange(0, BLOCK_H)
-        mask_h = offs_h < GQ
-        offs_d = tl.arange(0, D)
         q = tl.load(
             Q + r * stride_qb + (h * GQ + offs_h)[:, None] * stride_qh + offs_d[None, :],
             mask=mask_h[:, None], other=0.0,
@@ -76,10 +81,7 @@ def _decode_split_kernel(
             m_i = m_new
         out = acc / l_i[:, None]
         if num_chunks == 1:
-            tl.store(
-                O + r * stride_ob + (h * GQ + offs_h)[:, None] * stride_oh + offs_d[None, :],
-                out.to(O.dtype.element_ty), mask=mask_h[:, None],
-            )
+            tl.store(o_ptr, out.to(O.dtype.element_ty), mask=mask_h[:, None])
         else:
             part = ((r * num_kv_heads + h) * MAX_S + s) * BLOCK_H
             tl.store(MidO + (part + offs_h)[:, None] * D + offs_d[None, :], out)
@@ -101,18 +103,16 @@ def _decode_merge_kernel(
     n_split = tl.minimum(tl.load(Splits + g), MAX_S)
     chunk = tl.maximum(min_split, tl.cdiv(n, n_split))
     num_chunks = tl.cdiv(n, chunk)
-    offs_h = tl.arange(0, BLOCK_H)
-    mask_h = offs_h < GQ
-    offs_d = tl.arange(0, D)
-    o_ptr = O + r * stride_ob + (h * GQ + offs_h)[:, None] * stride_oh + offs_d[None, :]
-    if num_chunks == 0:
-        tl.store(o_ptr, tl.zeros([BLOCK_H, D], tl.float32).to(O.dtype.element_ty), mask=mask_h[:, None])
-    elif num_chunks > 1:
+    if num_chunks > 1:
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < GQ
+        offs_d = tl.arange(0, D)
+        o_ptr = O + r * stride_ob + (h * GQ + offs_h)[:, None] * stride_oh + offs_d[None, :]
         base = (r * num_kv_heads + h) * MAX_S * BLOCK_H
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_sum = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
-        for i in range(0, num_chunks):
+        for i in range(num_chunks):
             lse = tl.load(MidLse + base + i * BLOCK_H + offs_h)
             o = tl.load(MidO + (base + i * BLOCK_H + offs_h)[:, None] * D + offs_d[None, :])
             m_new = tl.maximum(m, lse)
@@ -179,6 +179,8 @@ def paged_decode(
         PAGE=page, GQ=gq, BLOCK_H=bh, D=D, BLOCK_N=block_n, MAX_S=max_splits,
         num_warps=num_warps, num_stages=num_stages,
     )
+    if max_splits == 1:  # every (request, kv head) is one chunk, written directly
+        return out
     _decode_merge_kernel[(B, hkv)](
         out, mid_o, mid_lse, kv_indptr, head_group, splits,
         num_groups, min_split_tokens, out.stride(0), out.stride(1),

@@ -116,3 +116,22 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
     model_dir = smollm2_model_dir()
     model, tok = load_model_dir(model_dir, dtype)
     return model, tok, model_dir
+
+
+def resolve_model_dir(spec: str | Path) -> Path:
+    """A model directory from ``spec``: ``"smollm2"``, an HF directory, or a GGUF file (converted and cached)."""
+    if str(spec) == "smollm2":
+        return smollm2_model_dir()
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: not a model directory (no config.json)")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        if path.resolve() == smollm2_gguf_path().resolve():
+            return smollm2_model_dir()
+        out = models_cache_dir() / path.stem.lower()
+        if not (out / "config.json").is_file():
+            convert_gguf_to_hf(path, out)
+        return out
+    raise FileNotFoundError(f"{spec}: expected 'smollm2', a model directory or a .gguf file")

@@ -4,15 +4,19 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import itertools
 import math
 
 import pytest
 import torch
+from tangram_sgl.kernels.compaction import compact_kept_kv, compact_kept_kv_torch
+from tangram_sgl.kernels.decode import gather_head_kv, paged_decode, paged_decode_torch
+from tangram_sgl.kernels.extend import extend_attention, extend_attention_torch
+from tangram_sgl.kernels.flashinfer_decode import pool_as_single_head_pages, pseudo_request_pages
+from tangram_sgl.kernels.scoring import snapkv_scores, snapkv_scores_torch
 
-from tangram_sgl.kernels.decode import paged_decode, paged_decode_torch
 
-
-def make_pool(lengths, hkv_map, *, page_size, heads_per_group, head_dim, dtype=torch.float32, seed=0):
+def make_pool(lengths, *, page_size, heads_per_group, head_dim, dtype=torch.float32, seed=0):
     """Random pool + CSR slot lists. lengths[r][g]: kept tokens of (request r, group g); each list is two
     owner segments (each starting on a fresh page, the first one's last page possibly partial) on
     shuffled pages, page 0 never used."""
@@ -55,13 +59,14 @@ DECODE_CASES = [
     (3, 2, 16, (4, 2), 4, [[64, 17], [33, 0]]),  # gqa 3, 4 splits of 16, a page boundary
     (6, 2, 16, (2, 1), 16, [[32, 15], [31, 48]]),  # gqa 6, n = 2 * chunk exactly
     (8, 1, 1, (5,), 2, [[50], [11], [0]]),  # gqa 8, many splits
+    (4, 2, 16, (1, 1), 8, [[40, 0], [0, 5]]),  # one split everywhere: no merge launch, empty groups
 ]
 
 
 @pytest.mark.parametrize("gqa,hkv,page,splits,min_split,lengths", DECODE_CASES)
 def test_paged_decode_matches_reference(gqa, hkv, page, splits, min_split, lengths):
     G, hp, D = len(splits), 2, 32
-    k, v, indptr, indices = make_pool(lengths, None, page_size=page, heads_per_group=hp, head_dim=D)
+    k, v, indptr, indices = make_pool(lengths, page_size=page, heads_per_group=hp, head_dim=D)
     hg, hc = layer_map(hkv, G, hp)
     q = torch.randn(len(lengths), gqa * hkv, D)
     scale = D**-0.5
@@ -78,10 +83,111 @@ def test_paged_decode_matches_reference(gqa, hkv, page, splits, min_split, lengt
 def test_paged_decode_half_precision():
     """fp16 storage (the interpreter's bf16 tl.dot is broken in triton 3.8; bf16 is covered on the GPU)."""
     lengths = [[70, 20], [3, 33]]
-    k, v, indptr, indices = make_pool(lengths, None, page_size=16, heads_per_group=4, head_dim=32, dtype=torch.float16)
+    k, v, indptr, indices = make_pool(lengths, page_size=16, heads_per_group=4, head_dim=32, dtype=torch.float16)
     hg, hc = layer_map(4, 2, 4)
     q = torch.randn(2, 16, 32).half()
     out = paged_decode(q, k, v, indptr, indices, hg, hc, torch.tensor([3, 1], dtype=torch.int32),
                        max_splits=3, min_split_tokens=16, sm_scale=0.2, block_n=16)
     ref = paged_decode_torch(q, k, v, indptr, indices, hg, hc, sm_scale=0.2)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+EXTEND_CASES = [
+    # (gqa, hkv, page_size, new tokens per request, prefix lengths[r][g], block_m)
+    (4, 4, 16, [5, 0, 20], [[40, 7], [3, 0], [0, 16]], 16),  # no new tokens, empty prefix, < page
+    (1, 2, 1, [17, 3], [[8, 3], [9, 1]], 16),
+    (3, 2, 16, [11, 6], [[33, 0], [16, 17]], 32),  # gqa 3: rows past 10 tokens * 3 heads are padding
+    (6, 1, 16, [9], [[20]], 16),  # gqa 6: two tokens per block
+    (8, 2, 1, [4, 13], [[0, 0], [5, 2]], 16),
+]
+
+
+@pytest.mark.parametrize("gqa,hkv,page,n_new,lengths,block_m", EXTEND_CASES)
+def test_extend_matches_reference(gqa, hkv, page, n_new, lengths, block_m):
+    G, hp, D = len(lengths[0]), 2, 32
+    k, v, indptr, indices = make_pool(lengths, page_size=page, heads_per_group=hp, head_dim=D, seed=1)
+    hg, hc = layer_map(hkv, G, hp)
+    total = sum(n_new)
+    qo = torch.tensor([0] + list(itertools.accumulate(n_new)), dtype=torch.int32)
+    q = torch.randn(total, gqa * hkv, D)
+    kn, vn = torch.randn(total, hkv, D), torch.randn(total, hkv, D)
+    out = extend_attention(q, kn, vn, qo, max(n_new), k, v, indptr, indices, hg, hc,
+                           sm_scale=0.3, block_m=block_m, block_n=16)
+    ref = extend_attention_torch(q, kn, vn, qo, k, v, indptr, indices, hg, hc, sm_scale=0.3)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("gqa,hkv,w,n,pool", [(4, 2, 8, 50, 7), (1, 3, 16, 16, 1), (3, 1, 5, 70, 3), (6, 1, 20, 33, 7), (8, 1, 1, 9, 1)])
+def test_snapkv_scores_matches_reference(gqa, hkv, w, n, pool):
+    D = 32
+    q = torch.randn(gqa * hkv, w, D)
+    k = torch.randn(hkv, n, D)
+    out = snapkv_scores(q, k, scale=D**-0.5, pool_kernel=pool, block_n=16)
+    ref = snapkv_scores_torch(q, k, scale=D**-0.5, pool_kernel=pool)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("page,seg_lens,kept_counts", [
+    (16, [40, 9, 0], [[17, 5], [9, 0], [0, 0]]),  # group keeps all of a short segment, an empty one
+    (1, [12, 30], [[3, 12], [30, 1]]),
+])
+def test_compaction_matches_reference(page, seg_lens, kept_counts):
+    gen = torch.Generator().manual_seed(2)
+    hkv, hp, D, G = 4, 2, 32, 2
+    hg, hc = layer_map(hkv, G, hp)
+    k, v, dst_indptr, dst_slots = make_pool(kept_counts, page_size=page, heads_per_group=hp, head_dim=D)
+    stage_indptr = torch.tensor([0] + list(itertools.accumulate(seg_lens)), dtype=torch.int32)
+    ks, vs = torch.randn(sum(seg_lens), hkv, D), torch.randn(sum(seg_lens), hkv, D)
+    kept, indptr = [], [0]
+    for r, n in enumerate(seg_lens):
+        for h in range(hkv):
+            cnt = kept_counts[r][int(hg[h])]
+            kept.extend(sorted(torch.randperm(n, generator=gen)[:cnt].tolist()))
+            indptr.append(len(kept))
+    args = (ks, vs, stage_indptr, torch.tensor(indptr, dtype=torch.int32), torch.tensor(kept, dtype=torch.int32),
+            dst_indptr, dst_slots, hg, hc)
+    k_ref, v_ref = k.clone(), v.clone()
+    compact_kept_kv(*args, k, v, max_kept=max(max(row) for row in kept_counts), block=16)
+    compact_kept_kv_torch(*args, k_ref, v_ref)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    # the written columns hold exactly the staging rows of the kept positions
+    r, h = 0, 0
+    g, c = int(hg[h]), int(hc[h])
+    slots = dst_slots[int(dst_indptr[r * G + g]) : int(dst_indptr[r * G + g + 1])].long()
+    pos = torch.tensor(kept[indptr[r * hkv + h] : indptr[r * hkv + h + 1]])
+    assert torch.equal(k[slots // page, c, slots % page], ks[pos, h])
+
+
+def test_pseudo_request_pages_address_the_same_tokens():
+    lengths = [[40, 16], [0, 33]]
+    page, hp, hkv, G = 16, 2, 4, 2
+    k, _, indptr, indices = whole_page_pool(lengths, page_size=page, heads_per_group=hp, head_dim=8)
+    hg, hc = layer_map(hkv, G, hp)
+    row_indptr, pages, last = pseudo_request_pages(indptr, indices, hg, hc, batch=2, page_size=page, heads_per_group=hp)
+    view = pool_as_single_head_pages(k)
+    for r in range(2):
+        for h in range(hkv):
+            row = r * hkv + h
+            pp = pages[row_indptr[row] : row_indptr[row + 1]].long()
+            n = lengths[r][int(hg[h])]
+            got = view[pp, :, 0].reshape(-1, 8)[:n] if n else view[:0, :, 0].reshape(-1, 8)
+            lo = int(indptr[r * G + int(hg[h])])
+            assert torch.equal(got, gather_head_kv(k, indices[lo : lo + n], int(hc[h])))
+            assert int(last[row]) == (n - (len(pp) - 1) * page if n else 0)
+    with pytest.raises(ValueError, match="whole pages"):
+        _, _, ip, ix = make_pool([[40, 7]], page_size=page, heads_per_group=hp, head_dim=8)
+        pseudo_request_pages(ip, ix, hg, hc, batch=1, page_size=page, heads_per_group=hp)
+
+
+def whole_page_pool(lengths, *, page_size, heads_per_group, head_dim):
+    """Pool whose (request, group) slot lists are whole pages in order (one owner segment each)."""
+    k, v, _, _ = make_pool(lengths, page_size=page_size, heads_per_group=heads_per_group, head_dim=head_dim)
+    indptr, indices, next_page = [0], [], 1
+    for row in lengths:
+        for n in row:
+            for j in range(math.ceil(n / page_size)):
+                indices.extend(next_page * page_size + o for o in range(min(page_size, n - j * page_size)))
+                next_page += 1
+            indptr.append(len(indices))
+    assert next_page <= k.shape[0]
+    return k, v, torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32)

@@ -7,9 +7,10 @@ resends the whole history (system, user, assistant, ..., new user), as a chat cl
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ import json
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import httpx
 from tqdm import tqdm

@@ -6,9 +6,10 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -19,8 +20,9 @@ class TurnRecord:
 
     Times are seconds. ``cached_tokens`` is the prompt prefix the engine reused from its cache (the
     endpoint's ``usage.prompt_tokens_details.cached_tokens``; None when the endpoint does not report it).
-    ``kv_bytes_kept`` / ``kv_bytes_full`` are filled by the reference engine only: bytes of K+V the
-    conversation holds after the turn vs what an uncompressed cache would hold for the same tokens.
+    ``kv_bytes_kept`` / ``kv_bytes_pages`` / ``kv_bytes_full`` are filled by the reference engine only:
+    K+V bytes of the tokens the conversation's heads keep after the turn, of the pages holding them, and of
+    the same tokens uncompressed (see :class:`tangram_sgl.replay.reference_engine.KVFootprint`).
     """
 
     session: str
@@ -36,6 +38,7 @@ class TurnRecord:
     expected: str | None = None
     error: str | None = None
     kv_bytes_kept: int | None = None
+    kv_bytes_pages: int | None = None
     kv_bytes_full: int | None = None
 
     @property
@@ -80,10 +83,13 @@ def summarize(records: Sequence[TurnRecord], wall_s: float) -> dict[str, Any]:
         for r in with_kv:  # a session's KV after its last turn
             last[r.session] = r
         kept = sum(r.kv_bytes_kept for r in last.values())
+        pages = sum(r.kv_bytes_pages for r in last.values())
         full = sum(r.kv_bytes_full for r in last.values())
         summary["kv_bytes_kept"] = kept
+        summary["kv_bytes_pages"] = pages
         summary["kv_bytes_full"] = full
         summary["kv_kept_fraction"] = kept / full if full else None
+        summary["kv_pages_fraction"] = pages / full if full else None
     scored = [r for r in ok if r.expected]
     if scored:
         hits = sum(r.expected.lower() in r.answer.lower() for r in scored)

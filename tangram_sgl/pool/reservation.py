@@ -1,0 +1,62 @@
+"""Exact page demand of a segment, and the pages a request holds while its segment is being written.
+
+Group g keeps ``k_g = kept_tokens(b_g, n, start, sink, window)`` tokens of an n-token segment, so the
+segment needs exactly ``pages_for(k_g, page_size)`` pages in g — known before any score is computed.
+Decode growth needs ``pages_for`` of the decoded token count in every group (decoded tokens are kept by
+all groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tangram_sgl.budget import kept_tokens, pages_for
+from tangram_sgl.layout import HeadGroupLayout
+from tangram_sgl.pool.segment import GroupSlots, Segment
+
+
+class AdmissionError(RuntimeError):
+    """A request cannot be given its pages even after evicting every unlocked radix-tree node."""
+
+
+def segment_kept_counts(layout: HeadGroupLayout, n: int, start: int, sink: int, window: int) -> list[int]:
+    """k_g for every group g of an n-token segment starting at absolute position ``start``."""
+    return [kept_tokens(b, n, start, sink, window) for b in layout.group_budget]
+
+
+def pages_per_group(
+    layout: HeadGroupLayout, n_new: int, start: int, decode_tokens: int, sink: int, window: int
+) -> list[int]:
+    """Pages per group for a segment of ``n_new`` tokens at ``start`` plus ``decode_tokens`` decoded ones."""
+    ps = layout.page_size
+    dec = pages_for(decode_tokens, ps)
+    return [pages_for(k, ps) + dec for k in segment_kept_counts(layout, n_new, start, sink, window)]
+
+
+@dataclass
+class PendingSegment:
+    """Pages reserved for a segment whose K/V is being written layer by layer."""
+
+    start: int
+    token_ids: list[int]
+    kept_counts: list[int]
+    groups: list[GroupSlots]
+    kept: list[torch.Tensor]
+    layers_written: set[int]
+
+    @property
+    def full(self) -> bool:
+        return all(k == len(self.token_ids) for k in self.kept_counts)
+
+    def to_segment(self, num_layers: int) -> Segment:
+        """The committed segment; every layer must have been written."""
+        missing = sorted(set(range(num_layers)) - self.layers_written)
+        if missing:
+            raise RuntimeError(f"segment [{self.start}, {self.start + len(self.token_ids)}) is missing the K/V "
+                               f"of layers {missing[:8]}{'...' if len(missing) > 8 else ''}")
+        for gs, k in zip(self.groups, self.kept_counts):
+            gs.length = k
+        full = self.full
+        return Segment(self.start, self.token_ids, full, self.groups, None if full else self.kept)

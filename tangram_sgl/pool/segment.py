@@ -1,0 +1,99 @@
+"""What one owner (a running request or a radix-tree node) holds: segments and their per-group slot lists.
+
+A :class:`Segment` is the KV of ``n`` consecutive tokens starting at absolute position ``start``: the new
+tokens of one prefill chunk, or decoded tokens. For every head group ``g`` it owns a page list; slot ``j`` of
+that list (``pages[j // page_size] * page_size + j % page_size``) holds, in every column ``c`` of ``g``, the
+j-th kept token of member ``c``. ``kept[g]`` lists those positions (int32, segment-relative, ascending,
+``[members, k_g]``); a position a head does not list is dropped for that head. A *full* segment keeps every
+token in every group (decoded tokens, or a budget that keeps all); it stores no ``kept`` tensors and is the
+only kind that may be split (at a slot index that is a multiple of ``page_size``: a page has one owner).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class GroupSlots:
+    """One (owner, group) slot list: ``length`` slots in use on ``pages`` (capacity ``len(pages)*page_size``)."""
+
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+    def slots(self, page_size: int, begin: int = 0, end: int | None = None) -> torch.Tensor:
+        """int64 slot ids of slots ``[begin, end)`` (default: all in use)."""
+        end = self.length if end is None else end
+        j = torch.arange(begin, end, dtype=torch.long)
+        pages = torch.tensor(self.pages, dtype=torch.long)
+        return pages[j // page_size] * page_size + j % page_size if len(j) else j
+
+
+@dataclass
+class Segment:
+    """KV of tokens ``[start, start + n)`` held as one slot list per head group (see module docstring)."""
+
+    start: int
+    token_ids: list[int]
+    full: bool
+    groups: list[GroupSlots]
+    kept: list[torch.Tensor] | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+    def pages(self) -> Iterator[int]:
+        for gs in self.groups:
+            yield from gs.pages
+
+    def num_pages(self) -> int:
+        return sum(len(gs.pages) for gs in self.groups)
+
+    def kept_count(self, group: int) -> int:
+        """k_g: slots in use in ``group``."""
+        return self.groups[group].length
+
+    def kept_positions(self, group: int, column: int) -> torch.Tensor:
+        """int32 segment-relative positions kept by member ``column`` of ``group``, ascending."""
+        if self.full:
+            return torch.arange(self.groups[group].length, dtype=torch.int32)
+        assert self.kept is not None
+        return self.kept[group][column]
+
+    def can_split(self, at: int, page_size: int) -> bool:
+        """A full segment splits at ``0 < at < n`` when ``at`` starts a page of every group's slot list."""
+        return self.full and 0 < at < self.n and at % page_size == 0
+
+    def split(self, at: int, page_size: int) -> tuple[Segment, Segment]:
+        """(tokens [0, at), tokens [at, n)) sharing no page; only for :meth:`can_split` points."""
+        if not self.can_split(at, page_size):
+            raise ValueError(f"cannot split a {'full' if self.full else 'compressed'} {self.n}-token segment "
+                             f"at {at} (page_size {page_size})")
+        cut = at // page_size
+        head = Segment(self.start, self.token_ids[:at], True,
+                       [GroupSlots(gs.pages[:cut], at) for gs in self.groups])
+        tail = Segment(self.start + at, self.token_ids[at:], True,
+                       [GroupSlots(gs.pages[cut:], gs.length - at) for gs in self.groups])
+        return head, tail
+
+    def can_append(self, other: Segment, page_size: int) -> bool:
+        """``other`` can be merged onto this one: both full, adjacent, and this one ends on a page boundary."""
+        return (self.full and other.full and self.end == other.start and self.n % page_size == 0
+                and all(len(gs.pages) * page_size == gs.length for gs in self.groups))
+
+    def append(self, other: Segment, page_size: int) -> None:
+        """Merge ``other`` (see :meth:`can_append`) into this segment; ``other`` must not be used again."""
+        if not self.can_append(other, page_size):
+            raise ValueError("segments are not adjacent full page-aligned segments")
+        self.token_ids = self.token_ids + other.token_ids
+        for mine, theirs in zip(self.groups, other.groups):
+            mine.pages = mine.pages + theirs.pages
+            mine.length += theirs.length

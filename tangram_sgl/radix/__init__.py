@@ -1,0 +1,1 @@
+"""Radix tree over token ids whose nodes own compressed head-group segments (+ the SGLang adapter)."""

@@ -1,0 +1,152 @@
+"""Page allocator, exact reservation, compaction into head-group slots, decode, abort, refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_pool_support import D, H, L, decode, prefill, token_kv, token_scores, toy_manager
+
+from tangram_sgl.budget import kept_tokens, pages_for
+from tangram_sgl.pool.invariants import check_invariants
+from tangram_sgl.pool.page_allocator import PageAllocator, PoolExhausted
+from tangram_sgl.pool.reservation import AdmissionError, pages_per_group
+from tangram_sgl.selection import select_kept
+
+
+def test_allocator_never_hands_out_page_zero_and_rejects_bad_frees():
+    a = PageAllocator(5)
+    pages = a.alloc(4)
+    assert sorted(pages) == [1, 2, 3, 4] and a.free_count() == 0
+    with pytest.raises(PoolExhausted):
+        a.alloc(1)
+    a.free([3])
+    with pytest.raises(ValueError, match="double free"):
+        a.free([3])
+    with pytest.raises(ValueError, match="not an allocatable page"):
+        a.free([0])
+    with pytest.raises(PoolExhausted):
+        a.alloc(2)
+    assert a.free_count() == 1  # a failed alloc takes nothing
+
+
+def test_reservation_is_exact_per_group():
+    mgr = toy_manager(num_pages=64)
+    assert mgr.layout.group_budget == (1.0, 0.6, 0.3, 0.2)
+    toks = list(range(100, 130))
+    mgr.admit("a", toks)
+    free0 = mgr.free_pages()
+    counts = mgr.reserve("a", toks, decode_tokens=5)
+    # k_g = min(n, ceil(b*n) + sink(2) + window(3)) for n = 30 at position 0
+    assert counts == [30, 18 + 5, 9 + 5, 6 + 5]
+    want = [pages_for(k, 4) + pages_for(5, 4) for k in counts]
+    assert want == [10, 8, 6, 5]
+    assert pages_per_group(mgr.layout, 30, 0, 5, 2, 3) == want
+    assert free0 - mgr.free_pages() == sum(want)
+    check_invariants(mgr)
+
+
+def test_segment_is_compacted_into_its_slots_per_head():
+    mgr = toy_manager(num_pages=64)
+    toks = list(range(1, 41))
+    mgr.admit("a", toks)
+    prefill(mgr, "a", toks)
+    k, v = token_kv(toks, 0, 40)
+    s = token_scores(toks, 0, 40)
+    for layer in range(L):
+        for head in range(H):
+            g = mgr.layout.layers[layer].group[head]
+            kg = kept_tokens(mgr.layout.group_budget[g], 40, 0, 2, 3)
+            want = select_kept(s[layer, head][None], kg, 0, 2, 3)[0]
+            gk, gv, pos = mgr.gather("a", layer, head)
+            assert torch.equal(pos, want) and len(pos) == kg
+            assert torch.equal(gk, k[layer, head, want]) and torch.equal(gv, v[layer, head, want])
+    check_invariants(mgr)
+
+
+def test_slot_lists_csr_addresses_the_kept_tokens():
+    mgr = toy_manager(num_pages=64)
+    for rid, toks in (("a", list(range(1, 30))), ("b", list(range(50, 61)))):
+        mgr.admit(rid, toks)
+        prefill(mgr, rid, toks)
+        decode(mgr, rid, 7)
+    indptr, indices = mgr.slot_lists(["a", "b"])
+    G = mgr.num_groups
+    assert indptr.dtype == torch.int32 and indices.dtype == torch.int32 and len(indptr) == 2 * G + 1
+    ps = mgr.page_size
+    for r, rid in enumerate(["a", "b"]):
+        for layer in range(L):
+            slots_of = mgr.layout.layers[layer]
+            for head in range(H):
+                g, c = slots_of.group[head], slots_of.column[head]
+                sl = indices[indptr[r * G + g]: indptr[r * G + g + 1]].long()
+                got = mgr.pool.k_buffer[sl // ps, c, sl % ps]
+                assert torch.equal(got, mgr.gather(rid, layer, head)[0])
+
+
+def test_refused_with_a_clear_reason_and_nothing_allocated():
+    mgr = toy_manager(num_pages=20)
+    toks = list(range(1, 200))
+    mgr.admit("big", toks)
+    free0 = mgr.free_pages()
+    with pytest.raises(AdmissionError, match=r"needs \d+ pages but only 19 are free and 0 evictable"):
+        mgr.reserve("big", toks)
+    assert mgr.free_pages() == free0
+    mgr.abort("big")
+    check_invariants(mgr)
+    assert mgr.free_pages() == 19
+
+
+def test_reservation_evicts_unlocked_nodes_but_never_a_locked_prefix():
+    mgr = toy_manager(num_pages=40)
+    a = list(range(1, 30))
+    mgr.admit("a", a)
+    prefill(mgr, "a", a)
+    mgr.finish("a")
+    held = mgr.evictable_pages()
+    assert held > 0
+    # a second conversation continuing "a" locks its prefix; a third, unrelated one needs more than is free
+    mgr.admit("b", a + [99])
+    assert mgr.evictable_pages() == 0 and mgr.protected_pages() == held
+    mgr.admit("c", list(range(200, 260)))
+    with pytest.raises(AdmissionError, match="pinned by running requests"):
+        mgr.reserve("c", list(range(200, 260)))
+    assert mgr.protected_pages() == held  # the locked prefix survived
+    mgr.abort("c")
+    mgr.abort("b")
+    mgr.admit("d", list(range(300, 330)))
+    prefill(mgr, "d", list(range(300, 330)))  # now the tree node is evicted to make room
+    assert mgr.evictable_pages() == 0 and not list(mgr.tree.nodes())
+    check_invariants(mgr)
+
+
+def test_decode_allocates_on_demand_and_abort_frees_everything():
+    mgr = toy_manager(num_pages=64)
+    toks = list(range(1, 9))
+    mgr.admit("a", toks)
+    prefill(mgr, "a", toks, decode_tokens=0)
+    before = mgr.free_pages()
+    for t in range(5):
+        decode(mgr, "a", 100 + t)
+    # 5 decoded tokens at page_size 4 -> 2 pages in each of the 4 groups
+    assert before - mgr.free_pages() == 2 * mgr.num_groups
+    check_invariants(mgr)
+    mgr.abort("a")
+    check_invariants(mgr)
+    assert mgr.free_pages() == mgr.pool.allocator.usable_pages
+
+
+def test_decode_refused_when_the_pool_is_full():
+    mgr = toy_manager(num_pages=12)
+    toks = list(range(1, 13))
+    mgr.admit("a", toks)
+    prefill(mgr, "a", toks)
+    with pytest.raises(AdmissionError, match="decode step"):
+        for t in range(100):
+            decode(mgr, "a", t)
+    check_invariants(mgr)
+
+
+def test_pool_buffers_follow_the_layout_contract():
+    mgr = toy_manager(num_pages=10)
+    assert mgr.pool.k_buffer.shape == (10, 2, 4, D) == mgr.pool.v_buffer.shape
+    assert mgr.pool.page_bytes() == 2 * 2 * 4 * D * 4

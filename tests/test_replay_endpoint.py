@@ -1,0 +1,160 @@
+"""The OpenAI-endpoint driver against a tiny fake OpenAI-compatible server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import pytest
+
+from tangram_sgl.replay.conversation import Conversation, Turn
+from tangram_sgl.replay.openai_driver import EndpointConfig, arrival_delays, replay_endpoint
+from tangram_sgl.replay.records import summarize
+
+TOKEN_DELAY_S = 0.01
+
+
+class FakeChat(BaseHTTPRequestHandler):
+    """Streams an answer of 4 word-tokens; cached_tokens = words shared with the longest earlier prompt."""
+
+    protocol_version = "HTTP/1.1"
+    seen: ClassVar[list[list[dict]]] = []
+    prompts: ClassVar[list[list[str]]] = []
+    lock = threading.Lock()
+
+    def log_message(self, *args):  # keep pytest output clean
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        msgs = body["messages"]
+        if msgs[-1]["content"] == "FAIL":
+            self.send_response(500)
+            payload = b'{"error": "boom"}'
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            return
+        words = " ".join(m["content"] for m in msgs).split()
+        with self.lock:
+            cached = max((_common(words, p) for p in self.prompts), default=0)
+            self.prompts.append(words)
+            self.seen.append(msgs)
+        answer = [f"a{len(msgs)}", "b", "c", "d"]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        for w in answer:
+            time.sleep(TOKEN_DELAY_S)
+            self._event({"choices": [{"index": 0, "delta": {"content": w + " "}}]})
+        usage = {"prompt_tokens": len(words), "completion_tokens": len(answer),
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        self._event({"choices": [], "usage": usage})
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+    def _event(self, obj):
+        self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
+        self.wfile.flush()
+
+
+def _common(a: list[str], b: list[str]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.fixture()
+def fake_server():
+    FakeChat.seen, FakeChat.prompts = [], []
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeChat)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def _convs(n: int) -> list[Conversation]:
+    return [Conversation(id=f"s{i}", system="sys", turns=(Turn(f"hello {i}"), Turn("more"), Turn("last")))
+            for i in range(n)]
+
+
+def test_history_is_resent_and_metrics_recorded(fake_server):
+    cfg = EndpointConfig(base_url=fake_server, model="m", max_tokens=8)
+    records, wall = replay_endpoint(_convs(3), cfg, max_concurrency=3, progress=False)
+    assert len(records) == 9 and all(r.ok for r in records)
+    # Turn 3 of a session carries system + 2 (user, assistant) pairs + the new user message, with the
+    # assistant messages equal to the server's own earlier answers.
+    third = [m for m in FakeChat.seen if len(m) == 6]
+    assert len(third) == 3
+    assert [m["role"] for m in third[0]] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert third[0][2]["content"] == "a2 b c d " and third[0][4]["content"] == "a4 b c d "
+    for r in records:
+        assert r.output_tokens == 4
+        assert r.ttft_s >= TOKEN_DELAY_S * 0.9
+        assert r.tpot_s == pytest.approx(TOKEN_DELAY_S, rel=2.0)
+        assert r.latency_s >= r.ttft_s
+    by_session = {}
+    for r in records:
+        by_session.setdefault(r.session, []).append(r)
+    for turns in by_session.values():
+        turns.sort(key=lambda r: r.turn)
+        # each later turn's prompt starts with the whole previous prompt -> cached tokens reported
+        assert turns[1].cached_tokens >= turns[0].prompt_tokens
+        assert turns[2].cached_tokens >= turns[1].prompt_tokens
+    s = summarize(records, wall)
+    assert s["turns_ok"] == 9 and s["errors"] == 0 and s["output_tokens"] == 36
+    assert 0 < s["cache_hit_ratio"] < 1
+    assert s["ttft_s"]["p50"] > 0
+
+
+def test_failed_turn_is_recorded_and_ends_session(fake_server):
+    convs = [Conversation(id="bad", turns=(Turn("hi"), Turn("FAIL"), Turn("never"))), *_convs(1)]
+    records, _ = replay_endpoint(convs, EndpointConfig(base_url=fake_server + "/v1", model="m"), progress=False)
+    bad = [r for r in records if r.session == "bad"]
+    assert [r.turn for r in bad] == [0, 1]
+    assert bad[0].ok and "HTTP 500" in bad[1].error
+    assert sum(r.ok for r in records if r.session == "s0") == 3
+
+
+def test_unreachable_endpoint_gives_errors_not_exceptions():
+    cfg = EndpointConfig(base_url="http://127.0.0.1:9", model="m", timeout_s=2)
+    records, wall = replay_endpoint(_convs(2), cfg, progress=False)
+    assert len(records) == 2 and all(r.error for r in records)
+    assert summarize(records, wall)["errors"] == 2
+
+
+def test_arrival_delays_poisson():
+    assert arrival_delays(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    d = arrival_delays(2000, 4.0, 1)
+    gaps = [b - a for a, b in itertools.pairwise(d)]
+    assert d[0] == 0.0 and all(g >= 0 for g in gaps)
+    assert sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.1)
+    with pytest.raises(ValueError):
+        arrival_delays(1, 0.0, 0)
+
+
+def test_cli_endpoint_mode_writes_results(fake_server, tmp_path):
+    from tangram_sgl.cli import main
+
+    convs = tmp_path / "c.json"
+    convs.write_text(json.dumps({"conversations": [{"id": "x", "turns": ["one", "two"]}]}))
+    out = tmp_path / "r.json"
+    rc = main(["replay", "--endpoint", fake_server, "--conversations", str(convs), "--output", str(out),
+               "--no-progress", "--max-tokens", "4"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == "endpoint" and doc["summary"]["turns_ok"] == 2
+    assert [t["output_tokens"] for t in doc["turns"]] == [4, 4]
+    assert doc["turns"][1]["cached_tokens"] > 0
+    assert doc["environment"]["torch"] and doc["command"]
