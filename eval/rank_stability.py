@@ -23,16 +23,16 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from scipy.stats import spearmanr  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from scipy.stats import spearmanr
 
-from tangram_sgl.models import load_smollm2  # noqa: E402
-from tangram_sgl.profile import ModelIdentity  # noqa: E402
-from tangram_sgl.profiler.calibration import calibration_set  # noqa: E402
-from tangram_sgl.profiler.pipeline import ProfileSettings, collect_scores_multi, profile_from_scores  # noqa: E402
-from tangram_sgl.profiler.retention import sample_retention  # noqa: E402
-from tangram_sgl.profiler.segments import tokenize_conversation  # noqa: E402
+from tangram_sgl.models import load_smollm2
+from tangram_sgl.profile import ModelIdentity
+from tangram_sgl.profiler.calibration import calibration_set
+from tangram_sgl.profiler.pipeline import ProfileSettings, collect_scores_multi, profile_from_scores
+from tangram_sgl.profiler.retention import sample_retention
+from tangram_sgl.profiler.segments import tokenize_conversation
 
 SCORERS = ("snapkv", "expected_attention", "keydiff")
 RATIOS = (0.5, 0.25)

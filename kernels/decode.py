@@ -5,7 +5,10 @@ Layout (the pool contract): ``k_buffer``/``v_buffer`` are ``[num_pages, H_p, pag
 ``kv_indices[kv_indptr[r*G + g] : kv_indptr[r*G + g + 1]]`` and kv head h of the layer reads column
 ``head_column[h]`` of group ``head_group[h]``.
 
-Launch: grid ``(B, Hkv, max_splits)``. Program (r, h, s) derives its kv range on the GPU: with n the
+Launch: grid ``(max_splits, B, Hkv)``; program (s, r, i) serves kv head ``h = head_order[i]``. Blocks are
+issued x-fastest, so with ``head_order`` listing the layer's kv heads by descending group budget
+(``launch_order``) the long (request, head) chunks are issued first: a longest-first schedule at no
+cost. Program (r, h, s) derives its kv range on the GPU: with n the
 (r, g) length and S_g = ``splits[g]`` (the AOT table row of the batch bucket),
 ``chunk = max(min_split_tokens, ceil(n / S_g))`` and it covers ``[s*chunk, min((s+1)*chunk, n))``;
 programs past the last chunk exit at once. The G_q query heads of kv head h are processed together
@@ -17,6 +20,8 @@ zeros); otherwise each chunk writes a partial (acc, lse) and a log-sum-exp merge
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -25,17 +30,17 @@ import triton.language as tl
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, O, MidO, MidLse,
-    KvIndptr, KvIndices, HeadGroup, HeadColumn, Splits,
+    KvIndptr, KvIndices, HeadGroup, HeadColumn, HeadOrder, Splits,
     sm_scale, num_groups, min_split,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kp, stride_kc, stride_kt, stride_vp, stride_vc, stride_vt,
     PAGE: tl.constexpr, GQ: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_S: tl.constexpr,
 ):
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    num_kv_heads = tl.num_programs(1)
+    s = tl.program_id(0)
+    r = tl.program_id(1)
+    h = tl.load(HeadOrder + tl.program_id(2))
+    num_kv_heads = tl.num_programs(2)
     g = tl.load(HeadGroup + h)
     c = tl.load(HeadColumn + h).to(tl.int64)
     kv_start = tl.load(KvIndptr + r * num_groups + g)
@@ -124,6 +129,11 @@ def _decode_merge_kernel(
         tl.store(o_ptr, (acc / l_sum[:, None]).to(O.dtype.element_ty), mask=mask_h[:, None])
 
 
+def launch_order(head_budget: Sequence[float]) -> list[int]:
+    """kv heads of a layer by descending (group) budget, ties by index: the ``head_order`` to launch with."""
+    return sorted(range(len(head_budget)), key=lambda h: (-head_budget[h], h))
+
+
 def _block_h(gq: int) -> int:
     return max(16, triton.next_power_of_2(gq))
 
@@ -138,6 +148,7 @@ def paged_decode(
     head_column: torch.Tensor,
     splits: torch.Tensor,
     *,
+    head_order: torch.Tensor | None = None,
     max_splits: int,
     min_split_tokens: int,
     sm_scale: float,
@@ -150,7 +161,8 @@ def paged_decode(
     q: [B, Hq, D]; k_buffer, v_buffer: [num_pages, H_p, page_size, D]; kv_indptr: int32 [B*G + 1];
     kv_indices: int32 slots; head_group, head_column: int32 [Hkv] for this layer; splits: int32 [G], the
     AOT split counts of the batch bucket; max_splits: the launch's split dimension (>= max(splits), a
-    per-bucket constant). An empty (request, group) gives zeros.
+    per-bucket constant); head_order: int32 [Hkv] permutation of the kv heads, the issue order (default
+    0..Hkv-1; pass ``launch_order`` of the heads' group budgets). An empty (request, group) gives zeros.
     """
     B, hq, D = q.shape
     hkv = head_group.shape[0]
@@ -169,9 +181,11 @@ def paged_decode(
     out = torch.empty_like(q)
     mid_o = torch.empty((B, hkv, max_splits, bh, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((B, hkv, max_splits, bh), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(B, hkv, max_splits)](
+    if head_order is None:
+        head_order = torch.arange(hkv, dtype=torch.int32, device=q.device)
+    _decode_split_kernel[(max_splits, B, hkv)](
         q, k_buffer, v_buffer, out, mid_o, mid_lse,
-        kv_indptr, kv_indices, head_group, head_column, splits,
+        kv_indptr, kv_indices, head_group, head_column, head_order, splits,
         sm_scale, num_groups, min_split_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), k_buffer.stride(2),

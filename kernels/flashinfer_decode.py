@@ -11,12 +11,17 @@ per (batch bucket, length bucket) with the bucket's maximum page count per row a
 only rewrites the device-side page table and calls ``run()``. That is exact for rows no longer than
 planned because the fa2 kernel recomputes kv_len from indptr/last_page_len at run time and clamps chunk
 starts (the CUDA-core decode kernel does not, so it is not used here); a row longer than planned fails a
-device-side assert instead of being truncated. flashinfer is imported lazily (GPU machines only).
+device-side assert instead of being truncated. ``StoredPlanDecode.load_slot_lists`` builds the step's page
+table on the GPU with fixed shapes (``build_pseudo_page_table``: no host sync, graph-capturable);
+``pseudo_request_pages`` is its torch reference (and checks the whole-page condition).
+flashinfer is imported lazily (GPU machines only).
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 def pool_as_single_head_pages(buffer: torch.Tensor) -> torch.Tensor:
@@ -71,12 +76,68 @@ def pseudo_request_pages(
     return row_indptr.int(), pages.int(), last.int()
 
 
+@triton.jit
+def _pseudo_page_table_kernel(
+    KvIndptr, KvIndices, HeadGroup, HeadColumn, RowIndptr, Pages, LastLen,
+    num_groups,
+    PAGE: tl.constexpr, HP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    blk = tl.program_id(2)
+    row = r * tl.num_programs(1) + h
+    g = tl.load(HeadGroup + h)
+    c = tl.load(HeadColumn + h)
+    start = tl.load(KvIndptr + r * num_groups + g)
+    n = tl.load(KvIndptr + r * num_groups + g + 1) - start
+    n_pages = tl.cdiv(n, PAGE)
+    j = blk * BLOCK + tl.arange(0, BLOCK)
+    mask = j < n_pages
+    slot = tl.load(KvIndices + start + j * PAGE, mask=mask, other=0)
+    tl.store(Pages + tl.load(RowIndptr + row) + j, (slot // PAGE) * HP + c, mask=mask)
+    if blk == 0:
+        tl.store(LastLen + row, tl.where(n > 0, n - (n_pages - 1) * PAGE, 0))
+
+
+def build_pseudo_page_table(
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    head_group: torch.Tensor,
+    head_column: torch.Tensor,
+    row_indptr: torch.Tensor,
+    pages: torch.Tensor,
+    last_page_len: torch.Tensor,
+    *,
+    batch: int,
+    page_size: int,
+    heads_per_group: int,
+    max_pages_per_row: int,
+    block: int = 128,
+) -> None:
+    """Fill (row_indptr, pages, last_page_len) in place, as ``pseudo_request_pages`` returns them.
+
+    Fixed shapes only (``pages`` is a buffer of the planned capacity; ``max_pages_per_row`` a host bound
+    that sets the grid): no host sync, so it can run inside a CUDA graph. Assumes whole-page slot lists.
+    """
+    hkv = head_group.shape[0]
+    num_groups = (kv_indptr.shape[0] - 1) // batch
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).view(batch, num_groups)[:, head_group.long()]  # [B, Hkv]
+    row_indptr[0] = 0
+    torch.cumsum(((lens + page_size - 1) // page_size).flatten(), 0, dtype=row_indptr.dtype, out=row_indptr[1:])
+    grid = (batch, hkv, max(1, triton.cdiv(max_pages_per_row, block)))
+    _pseudo_page_table_kernel[grid](
+        kv_indptr, kv_indices, head_group, head_column, row_indptr, pages, last_page_len,
+        num_groups, PAGE=page_size, HP=heads_per_group, BLOCK=block,
+    )
+
+
 class StoredPlanDecode:
     """FlashInfer fa2 decode planned once for a (batch bucket, length bucket) and reused every step.
 
     rows = B * Hkv pseudo-requests; ``max_pages_per_row`` (host int tensor [rows]) is the bucket's largest
-    page count of each row, which the plan is made for. ``run`` copies the step's page table into the
-    wrapper's CUDA-graph buffers (device copies, no host sync, no plan) and runs.
+    page count of each row, which the plan is made for. Per step, ``load_slot_lists`` (or
+    ``load_page_table`` with a ready table) writes the page table into the wrapper's CUDA-graph buffers
+    (device work only: no host sync, no plan), then ``run``.
     """
 
     def __init__(
@@ -96,6 +157,7 @@ class StoredPlanDecode:
         rows = int(max_pages_per_row.numel())
         counts = max_pages_per_row.to(torch.int64).cpu()
         self.planned_pages = counts.to(device=device, dtype=torch.int32)
+        self.max_planned_pages = int(counts.max()) if rows else 0
         indptr = torch.zeros(rows + 1, dtype=torch.int32)
         indptr[1:] = torch.cumsum(counts, 0).to(torch.int32)
         self.indptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
@@ -118,6 +180,25 @@ class StoredPlanDecode:
         self.indptr.copy_(indptr)
         self.indices[: indices.numel()].copy_(indices)
         self.last_page_len.copy_(last_page_len)
+
+    def load_slot_lists(
+        self,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        head_group: torch.Tensor,
+        head_column: torch.Tensor,
+        *,
+        page_size: int,
+        heads_per_group: int,
+    ) -> None:
+        """Build the step's page table on the GPU straight into the planned buffers (no host sync)."""
+        batch = (self.indptr.numel() - 1) // head_group.shape[0]
+        build_pseudo_page_table(
+            kv_indptr, kv_indices, head_group, head_column, self.indptr, self.indices, self.last_page_len,
+            batch=batch, page_size=page_size, heads_per_group=heads_per_group,
+            max_pages_per_row=int(self.max_planned_pages),
+        )
+        torch._assert_async(((self.indptr[1:] - self.indptr[:-1]) <= self.planned_pages).all())
 
     def run(self, q_rows: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
         """q_rows: [rows, G_q, D]; k_pages, v_pages: single-head page views. Returns [rows, G_q, D]."""

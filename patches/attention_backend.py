@@ -1,9 +1,10 @@
 """Seam: ``sglang.srt.layers.attention.attention_registry`` — the ``tangram`` attention backend.
 
 Registers the name in SGLang's attention-backend registry and in the ``--attention-backend`` choices.
-The backend class (``TangramAttnBackend``: per-(layer, group) metadata from lengths and the AOT table,
-extend + scoring + compaction, split-KV decode) is the serving issue's work; until it exists, selecting
-the backend fails at model-runner construction with :class:`TangramNotServable`, never a silent fallback.
+The factory builds :class:`tangram_sgl.attention.backend.TangramAttnBackend` (imported lazily, when a model
+runner selects the backend). Settings the backend cannot serve (CUDA graphs, overlap scheduling, TP > 1,
+...) fail at model-runner construction with :class:`TangramNotServable` naming the flag to change, never a
+silent fallback.
 """
 
 from __future__ import annotations
@@ -17,16 +18,14 @@ BACKEND_NAME = "tangram"
 
 
 class TangramNotServable(RuntimeError):
-    """The tangram KV policy was selected but this build cannot serve it."""
+    """The tangram KV policy was selected with settings this build cannot serve."""
 
 
 def create_tangram_backend(runner: Any) -> Any:
-    """SGLang attention-backend factory for ``tangram``."""
-    raise TangramNotServable(
-        "--kv-policy tangram: the tangram attention backend is not implemented in this tangram_sgl build "
-        "(GPU serving is tracked by the 'End-to-end serving on the H200' issue). Serve without "
-        "--kv-policy tangram, or use `tangram-sgl replay` for the CPU reference engine."
-    )
+    """SGLang attention-backend factory for ``tangram`` (``runner``: SGLang's ``ModelRunner``)."""
+    from tangram_sgl.attention.backend import TangramAttnBackend
+
+    return TangramAttnBackend(runner)
 
 
 def register() -> None:

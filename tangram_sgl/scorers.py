@@ -95,7 +95,7 @@ class ExpectedAttentionScorer:
     default_scope: str = "layer"  # ||v|| differs in scale between layers
 
     def score(self, seg: SegmentTensors) -> torch.Tensor:
-        hq, w, d = seg.q_obs_pre.shape
+        hq, w, _ = seg.q_obs_pre.shape
         hkv, n, _ = seg.k.shape
         g = hq // hkv
         q = seg.q_obs_pre.float()

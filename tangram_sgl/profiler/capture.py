@@ -11,9 +11,11 @@ a module-level ``apply_rotary_pos_emb``): Llama, Mistral, Qwen2, Qwen3.
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+from typing_extensions import Self  # typing.Self needs 3.11; torch depends on typing_extensions
 
 from tangram_sgl.scorers import Scorer, SegmentTensors
 
@@ -55,12 +57,12 @@ class SegmentScoreCapture:
         self.scores: list[list[list[torch.Tensor]]] = []
         self._handles: list[Any] = []
 
-    def __enter__(self) -> "SegmentScoreCapture":
+    def __enter__(self) -> Self:
         for li, mod in enumerate(self.mods):
             self._handles.append(mod.register_forward_pre_hook(self._hook(li), with_kwargs=True))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -14,8 +14,9 @@ Budget modes:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from tqdm import tqdm
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from tangram_sgl.profile import TangramProfile  # noqa: E402
+from tangram_sgl.profile import TangramProfile
 
 
 def plot_profile(profile: TangramProfile, path: str | Path) -> None:

@@ -28,8 +28,8 @@ _BISECT_STEPS = 60
 @dataclass(frozen=True)
 class SyntheticShape:
     """Defaults fitted by eye to the shipped SmolLM2 SnapKV profiles: budget median / p10 / p90 of
-    0.47 / 0.26 / 0.79 at target 0.5 (real: 0.48 / 0.21 / 0.84) and 0.19 / 0.09 / 0.48 at 0.25 (real:
-    0.20 / 0.10 / 0.45); real std / (m(1-m)) has median 0.25; real first two layers keep ~2x the rest."""
+    0.47 / 0.26 / 0.79 at target 0.5 (real: 0.47 / 0.21 / 0.84) and 0.19 / 0.09 / 0.48 at 0.25 (real:
+    0.20 / 0.10 / 0.44); real std / (m(1-m)) has median 0.25; real first two layers keep ~2x the rest."""
 
     layer_sd: float = 0.5
     head_sd: float = 0.5

@@ -1,10 +1,10 @@
 """The CPU reference engine: a transformers model whose attention reads and writes tangram's KV cache.
 
 Everything about the cache is the server's own code: the head-group page pool, the radix tree and exact
-reservation (:class:`tangram_sgl.pool.kv_manager.TangramKVManager`), the profile's scorer
-(:mod:`tangram_sgl.scorers`) and ``select_kept`` (inside ``write_segment_layer``), and the torch reference
-kernels (``tangram_sgl.kernels.extend.extend_attention_torch``). The model is transformers' own, with its
-attention call routed here (:mod:`tangram_sgl.replay.attention_hook`). One request runs at a time.
+reservation (:class:`tangram_sgl.pool.kv_manager.TangramKVManager`), and the per-layer attention step of the
+SGLang backend (:mod:`tangram_sgl.attention.forward_step`: the profile's scorer, ``select_kept`` inside
+``write_segment_layer``, the torch reference kernels). The model is transformers' own, with its attention
+call routed here (:mod:`tangram_sgl.replay.attention_hook`). One request runs at a time.
 
 One turn (:meth:`ReferenceEngine.generate`):
 
@@ -14,10 +14,10 @@ One turn (:meth:`ReferenceEngine.generate`):
 2. Prefill of the segment, layer by layer: full causal attention of the new tokens over [the cached,
    compressed prefix read from its slot lists ; the segment's own staging K/V]; then the segment's K/V and
    its observation-window queries are scored, and ``write_segment_layer`` keeps each head's top-k_g
-   tokens in the reserved slots. ``commit_segment`` after the last layer.
-3. Decode, token by token: each layer attends over the request's committed slots (prefix, its own
-   segment, earlier decoded tokens) plus the new token's own K/V (the extend reference with one new
-   token), then ``append_decode`` stores the token's K/V in every group (decoded tokens are all kept).
+   tokens in the reserved slots. The segment is committed after the last layer.
+3. Decode, token by token: the token gets a slot in every group (``open_decode_slots``: decoded tokens
+   are all kept); each layer writes the token's K/V there and the paged-decode reference attends over the
+   request's slot lists (prefix, its own segments, decoded tokens, the token itself).
 4. ``finish`` inserts the turn (prompt + answer tokens whose K/V exist) into the radix tree, so the next
    turn, which resends the history, matches it.
 """
@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from tangram_sgl.kernels.extend import extend_attention_torch
+from tangram_sgl.attention.forward_step import AttentionContext, ForwardStep, StepRow
+from tangram_sgl.attention.segment_scoring import PreRope
 from tangram_sgl.pool.kv_manager import TangramKVManager
 from tangram_sgl.pool.segment import Segment
 from tangram_sgl.profile import TangramProfile, validate_for_model
 from tangram_sgl.replay.attention_hook import install
-from tangram_sgl.scorers import SegmentTensors, make_scorer
 
 
 @dataclass(frozen=True)
@@ -76,63 +76,28 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
-class _SegmentStep:
-    """Prefill of one segment: attention over [cached prefix ; segment], then score + compact the segment."""
+class _StepAdapter:
+    """transformers' attention call (q ``[Hq, T, D]``, k/v ``[Hkv, T, D]``) -> the shared forward step."""
+
+    def __init__(self, step: ForwardStep):
+        self.step = step
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        return self.step.attend(layer, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scaling)
+
+
+class _SegmentStep(_StepAdapter):
+    """Prefill of one reserved segment of ``n`` tokens at ``start`` (committed by the caller afterwards)."""
 
     def __init__(self, engine: ReferenceEngine, rid: Hashable, start: int, n: int):
-        self.engine, self.rid, self.start, self.n = engine, rid, start, n
-        self.kv_indptr, self.kv_indices = engine.kv.slot_lists([rid])  # the prefix only (segment pending)
-        self.qo_indptr = torch.tensor([0, n], dtype=torch.int32)
-        self.compress = any(k < n for k in engine.kv.requests[rid].pending.kept_counts)
-        self.w = min(engine.obs_window, n)
-        if self.compress and engine.needs_pre_rope:
-            pos = torch.arange(start + n - self.w, start + n)[None]
-            cos, sin = engine.rotary(torch.empty(1, dtype=engine.dtype), pos)
-            self.cos, self.sin = cos[0], sin[0]
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-        eng = self.engine
-        out = extend_attention_torch(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.qo_indptr,
-            eng.kv.pool.k_buffer, eng.kv.pool.v_buffer, self.kv_indptr, self.kv_indices,
-            eng.head_group[layer], eng.head_column[layer], sm_scale=scaling,
-        )
-        if self.compress:
-            q_obs = q[:, -self.w:]
-            q_pre = q_obs * self.cos - _rotate_half(q_obs) * self.sin if eng.needs_pre_rope else q_obs
-            seg = SegmentTensors(q_obs=q_obs.float(), q_obs_pre=q_pre.float(), k=k.float(), v=v.float(),
-                                 scale=float(scaling), start=self.start, inv_freq=eng.inv_freq)
-            scores = eng.scorer.score(seg)
-        else:  # every group keeps the whole segment: the ranking is not used
-            scores = torch.zeros(k.shape[0], self.n)
-        eng.kv.write_segment_layer(self.rid, layer, k, v, scores)
-        return out
+        super().__init__(engine.attention.step([StepRow(rid, start, n, decode=False)]))
 
 
-class _DecodeStep:
-    """One decoded token: attention over the committed slots + the token itself; K/V kept for append."""
+class _DecodeStep(_StepAdapter):
+    """One decoded token at ``position``: its slots are opened now, its K/V written layer by layer."""
 
-    def __init__(self, engine: ReferenceEngine, rid: Hashable):
-        self.engine, self.rid = engine, rid
-        self.kv_indptr, self.kv_indices = engine.kv.slot_lists([rid])
-        self.qo_indptr = torch.tensor([0, 1], dtype=torch.int32)
-        L = engine.layout.num_layers
-        self.k: list[torch.Tensor | None] = [None] * L
-        self.v: list[torch.Tensor | None] = [None] * L
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-        eng = self.engine
-        self.k[layer], self.v[layer] = k[:, 0], v[:, 0]
-        return extend_attention_torch(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.qo_indptr,
-            eng.kv.pool.k_buffer, eng.kv.pool.v_buffer, self.kv_indptr, self.kv_indices,
-            eng.head_group[layer], eng.head_column[layer], sm_scale=scaling,
-        )
-
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if any(x is None for x in self.k):
-            raise RuntimeError("a decode forward did not reach every layer's attention")
-        return torch.stack(self.k), torch.stack(self.v)
+    def __init__(self, engine: ReferenceEngine, rid: Hashable, position: int, token_id: int):
+        super().__init__(engine.attention.step([StepRow(rid, position, 1, decode=True)], [token_id]))
 
 
 class ReferenceEngine:
@@ -147,14 +112,17 @@ class ReferenceEngine:
         self.dtype = next(model.parameters()).dtype
         self.kv = TangramKVManager.from_profile(profile, kv_pages, page_size=page_size, dtype=self.dtype)
         self.layout = self.kv.layout
-        self.head_group = self.layout.head_group_tensor()
-        self.head_column = self.layout.head_column_tensor()
-        self.scorer = make_scorer(profile.scorer)
-        self.needs_pre_rope = profile.scorer == "expected_attention"
-        self.obs_window = obs_window or max(1, profile.recent_window)
         self.rotary = model.model.rotary_emb
-        self.inv_freq = self.rotary.inv_freq.detach().float().cpu()
+        pre_rope = PreRope(self.rotary.inv_freq.detach().float().cpu(), self._unrotate)
+        self.attention = AttentionContext.create(self.kv, profile, kernels="torch", obs_window=obs_window,
+                                                 pre_rope=pre_rope)
         install(self.model)
+
+    def _unrotate(self, q: torch.Tensor, first_position: int) -> torch.Tensor:
+        """Undo RoPE on queries ``[Hq, w, D]`` at positions ``first_position ..``."""
+        pos = torch.arange(first_position, first_position + q.shape[1])[None]
+        cos, sin = self.rotary(torch.empty(1, dtype=q.dtype), pos)
+        return q * cos[0] - _rotate_half(q) * sin[0]
 
     # ------------------------------------------------------------------ one request
     @torch.inference_mode()
@@ -172,16 +140,13 @@ class ReferenceEngine:
             self.kv.reserve(rid, new, decode_tokens=max_new_tokens - 1)
             step = _SegmentStep(self, rid, start, len(new))
             logits = self._forward(new, start, step)
-            self.kv.commit_segment(rid)
+            step.step.commit()
             out = [int(logits.argmax())]
             ttft = time.perf_counter() - t0
             stops = set(stop_ids)
             while len(out) < max_new_tokens and out[-1] not in stops:
                 pos = len(self.kv.requests[rid].token_ids)
-                step = _DecodeStep(self, rid)
-                logits = self._forward([out[-1]], pos, step)
-                k, v = step.stacked()
-                self.kv.append_decode(rid, out[-1], k, v)
+                logits = self._forward([out[-1]], pos, _DecodeStep(self, rid, pos, out[-1]))
                 out.append(int(logits.argmax()))
             decode_s = time.perf_counter() - t0 - ttft
         except BaseException:

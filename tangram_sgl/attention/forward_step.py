@@ -1,0 +1,171 @@
+"""One forward of a batch through ``TangramKVManager``: what every attention layer computes and writes.
+
+Shared by SGLang's ``TangramAttnBackend`` and the CPU reference engine, so both produce the same numbers.
+A batch is a list of :class:`StepRow`: an *extend* row prefills the segment its request has reserved
+(``TangramKVManager.reserve``); a *decode* row appends one decoded token (kept by every group).
+
+Per layer (:meth:`ForwardStep.attend`):
+
+- **decode-only batch**: each token's K/V is written into the slot it got in every group
+  (``open_decode_slots`` at step construction), then the split-KV paged decode kernel reads the
+  (request, group) slot lists, the new token included, split by the AOT table row of the batch bucket.
+- **extend or mixed batch**: the extend kernel attends each row's new tokens over [its committed slot
+  lists ; its own staging K/V, causal]; then each extend row's segment is scored (the profile's scorer on
+  the segment's observation window; skipped when every group keeps the whole segment) and
+  ``write_segment_layer`` keeps each head's top-k_g tokens in the reserved slots; decode rows (mixed
+  batches) write their token's K/V into their decode slots.
+
+After the last layer the caller runs :meth:`ForwardStep.commit` (extend rows' segments become committed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tangram_sgl.attention.kernel_set import KernelSet
+from tangram_sgl.attention.segment_scoring import PreRope, SegmentScorer
+from tangram_sgl.pool.kv_manager import TangramKVManager
+from tangram_sgl.profile import AotSplitTable, TangramProfile
+
+
+class StepError(RuntimeError):
+    """A batch row does not match what the tangram cache holds for its request."""
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One batch row: request ``rid``'s ``n`` new tokens at absolute positions ``[start, start + n)``;
+    ``decode``: one decoded token (kept by every group) instead of a reserved prefill segment."""
+
+    rid: Hashable
+    start: int
+    n: int
+    decode: bool
+
+
+@dataclass
+class AttentionContext:
+    """What every forward step of one model shares: the manager, kernels, scorer, head maps, AOT table."""
+
+    kv: TangramKVManager
+    kernels: KernelSet
+    scorer: SegmentScorer
+    aot: AotSplitTable
+    head_group: torch.Tensor  # int32 [L, H] on the pool's device
+    head_column: torch.Tensor
+    _splits: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, kv: TangramKVManager, profile: TangramProfile, *, kernels: str | None = None,
+               obs_window: int | None = None, pre_rope: PreRope | None = None) -> AttentionContext:
+        """Context for ``kv`` (built from ``profile``); ``kernels``: ``"torch"``/``"triton"``/None (by device)."""
+        lay = kv.layout
+        if (profile.model.num_layers, profile.model.num_kv_heads, profile.num_groups) != (
+                lay.num_layers, lay.num_kv_heads, lay.num_groups):
+            raise ValueError("the profile does not describe this manager's layout (layers, kv heads, groups)")
+        if any(len(row) != lay.num_groups for row in profile.aot_split.splits):
+            raise ValueError(f"the profile's AOT split table rows do not have {lay.num_groups} groups")
+        ks = KernelSet.for_device(kv.pool.device, kernels)
+        scorer = SegmentScorer(profile.scorer, ks, obs_window or max(1, profile.recent_window), pre_rope)
+        dev = kv.pool.device
+        return cls(kv, ks, scorer, profile.aot_split, lay.head_group_tensor(dev), lay.head_column_tensor(dev))
+
+    def decode_splits(self, batch_size: int) -> tuple[torch.Tensor, int]:
+        """(int32 ``[G]`` splits on the device, the bucket's max) of the AOT row for ``batch_size``."""
+        b = self.aot.bucket_index(batch_size)
+        if b not in self._splits:
+            row = self.aot.splits[b]
+            self._splits[b] = (torch.tensor(row, dtype=torch.int32, device=self.kv.pool.device), max(row))
+        return self._splits[b]
+
+    def step(self, rows: Sequence[StepRow], decode_token_ids: Sequence[int] = ()) -> ForwardStep:
+        return ForwardStep(self, rows, decode_token_ids)
+
+
+class ForwardStep:
+    """Metadata and per-layer work of one forward (see module docstring)."""
+
+    def __init__(self, ctx: AttentionContext, rows: Sequence[StepRow], decode_token_ids: Sequence[int]):
+        kv = ctx.kv
+        self.ctx, self.rows = ctx, list(rows)
+        if not self.rows:
+            raise StepError("a forward step needs at least one row")
+        self.rids = [r.rid for r in self.rows]
+        self._check_rows()
+        self.extend_rows = [i for i, r in enumerate(self.rows) if not r.decode]
+        decode_rows = [i for i, r in enumerate(self.rows) if r.decode]
+        if len(decode_token_ids) != len(decode_rows):
+            raise StepError(f"{len(decode_rows)} decode rows but {len(decode_token_ids)} decode token ids")
+        self.decode_only = not self.extend_rows
+        dev = kv.pool.device
+        decode_rids = [self.rids[i] for i in decode_rows]
+        if self.decode_only:  # the token's slots are part of the lists; its K/V is written before attention
+            self.token_slots = kv.open_decode_slots(decode_rids, decode_token_ids)
+            indptr, indices = kv.slot_lists(self.rids)
+            self.splits, self.max_splits = ctx.decode_splits(len(self.rows))
+        else:  # committed tokens only; new tokens are read from staging
+            indptr, indices = kv.slot_lists(self.rids)
+            self.token_slots = kv.open_decode_slots(decode_rids, decode_token_ids) if decode_rows else None
+        self.kv_indptr = indptr.to(dev)
+        self.kv_indices = indices.to(dev)
+        lens = torch.tensor([r.n for r in self.rows], dtype=torch.int32)
+        offsets = torch.zeros(len(self.rows) + 1, dtype=torch.int32)
+        offsets[1:] = torch.cumsum(lens, 0)
+        self.offsets = offsets.tolist()
+        self.qo_indptr = offsets.to(dev)
+        self.max_new = int(lens.max())
+        self.decode_index = torch.tensor([self.offsets[i] for i in decode_rows], dtype=torch.long, device=dev)
+        self.compress = {i: any(k < self.rows[i].n for k in kv.requests[self.rids[i]].pending.kept_counts)
+                         for i in self.extend_rows}
+
+    def _check_rows(self) -> None:
+        kv = self.ctx.kv
+        if len(set(self.rids)) != len(self.rids):
+            raise StepError(f"a request appears twice in one batch: {self.rids}")
+        for r in self.rows:
+            req = kv.requests.get(r.rid)
+            if req is None:
+                raise StepError(f"request {r.rid!r} is not running in the tangram cache (no reservation was made "
+                                f"for it: did the alloc_for_extend hook run?)")
+            if r.decode:
+                if r.n != 1 or req.pending is not None or len(req.token_ids) != r.start:
+                    raise StepError(f"decode row of {r.rid!r} at position {r.start} (n={r.n}) does not follow its "
+                                    f"cached {len(req.token_ids)} tokens"
+                                    f"{' (a segment is still being written)' if req.pending is not None else ''}")
+            else:
+                pend = req.pending
+                if pend is None or pend.start != r.start or len(pend.token_ids) != r.n:
+                    have = "none" if pend is None else f"[{pend.start}, {pend.start + len(pend.token_ids)})"
+                    raise StepError(f"extend row of {r.rid!r} covers [{r.start}, {r.start + r.n}) but its reserved "
+                                    f"segment is {have}")
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (RoPE applied; rows ragged by the step's offsets) -> ``[T, Hq, D]``."""
+        ctx, kv = self.ctx, self.ctx.kv
+        pool = kv.pool
+        hg, hc = ctx.head_group[layer], ctx.head_column[layer]
+        if self.decode_only:
+            kv.write_token_layer(self.token_slots, layer, k, v)
+            return ctx.kernels.decode(q, pool.k_buffer, pool.v_buffer, self.kv_indptr, self.kv_indices, hg, hc,
+                                      self.splits, self.max_splits, ctx.aot.min_split_tokens, scale)
+        out = ctx.kernels.extend(q, k, v, self.qo_indptr, self.max_new, pool.k_buffer, pool.v_buffer,
+                                 self.kv_indptr, self.kv_indices, hg, hc, scale)
+        for i in self.extend_rows:
+            row, a, b = self.rows[i], self.offsets[i], self.offsets[i + 1]
+            ks, vs = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
+            if self.compress[i]:
+                scores = ctx.scorer.scores(q[a:b].transpose(0, 1), ks, vs, scale, row.start)
+            else:  # every group keeps the whole segment: the ranking is not used
+                scores = torch.zeros(ks.shape[0], row.n, device=k.device)
+            kv.write_segment_layer(row.rid, layer, ks, vs, scores)
+        if self.token_slots is not None:
+            kv.write_token_layer(self.token_slots, layer, k[self.decode_index], v[self.decode_index])
+        return out
+
+    def commit(self) -> None:
+        """After the last layer: the extend rows' segments become committed (visible to later steps)."""
+        for i in self.extend_rows:
+            self.ctx.kv.commit_segment(self.rids[i])

@@ -1,0 +1,63 @@
+"""Which attention kernels run: the Triton kernels (CUDA) or their torch references (CPU), one choice per step.
+
+Both sets take the same arguments (the pool contract of ``docs/arch/kernels.md``); the choice is explicit
+(``"triton"`` or ``"torch"``) or follows the pool's device (CUDA -> Triton, else torch). Nothing falls back
+from one set to the other at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tangram_sgl.kernels.decode import paged_decode, paged_decode_torch
+from tangram_sgl.kernels.extend import extend_attention, extend_attention_torch
+from tangram_sgl.kernels.scoring import snapkv_scores, snapkv_scores_torch
+
+KERNEL_SETS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """Extend, decode and SnapKV-scoring kernels of one implementation (``name``)."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.name not in KERNEL_SETS:
+            raise ValueError(f"unknown kernel set {self.name!r}; choose from {KERNEL_SETS}")
+
+    @classmethod
+    def for_device(cls, device: torch.device | str, name: str | None = None) -> KernelSet:
+        """``name`` if given, else Triton on CUDA and the torch references elsewhere."""
+        if name is None:
+            name = "triton" if torch.device(device).type == "cuda" else "torch"
+        return cls(name)
+
+    def extend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor,
+               max_new: int, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
+               kv_indices: torch.Tensor, head_group: torch.Tensor, head_column: torch.Tensor,
+               sm_scale: float) -> torch.Tensor:
+        """New tokens over [(request, group) slot list ; their own staging K/V, causal] -> ``[T, Hq, D]``."""
+        if self.name == "torch":
+            return extend_attention_torch(q, k_new, v_new, qo_indptr, k_buffer, v_buffer, kv_indptr, kv_indices,
+                                          head_group, head_column, sm_scale=sm_scale)
+        return extend_attention(q, k_new, v_new, qo_indptr, max_new, k_buffer, v_buffer, kv_indptr, kv_indices,
+                                head_group, head_column, sm_scale=sm_scale)
+
+    def decode(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
+               kv_indices: torch.Tensor, head_group: torch.Tensor, head_column: torch.Tensor, splits: torch.Tensor,
+               max_splits: int, min_split_tokens: int, sm_scale: float) -> torch.Tensor:
+        """One query token per request over its (request, group) slot list -> ``[B, Hq, D]``."""
+        if self.name == "torch":
+            return paged_decode_torch(q, k_buffer, v_buffer, kv_indptr, kv_indices, head_group, head_column,
+                                      sm_scale=sm_scale)
+        return paged_decode(q, k_buffer, v_buffer, kv_indptr, kv_indices, head_group, head_column, splits,
+                            max_splits=max_splits, min_split_tokens=min_split_tokens, sm_scale=sm_scale)
+
+    def snapkv(self, q_obs: torch.Tensor, k: torch.Tensor, scale: float, pool_kernel: int) -> torch.Tensor:
+        """SnapKV scores ``[Hkv, n]`` (see ``tangram_sgl.kernels.scoring``)."""
+        if self.name == "torch":
+            return snapkv_scores_torch(q_obs, k, scale=scale, pool_kernel=pool_kernel)
+        return snapkv_scores(q_obs.contiguous(), k.contiguous(), scale=scale, pool_kernel=pool_kernel)

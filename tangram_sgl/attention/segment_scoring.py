@@ -1,0 +1,60 @@
+"""Scores of a prefill segment's tokens, per kv head, with the profile's scorer (what ``select_kept`` ranks).
+
+The observation window is the segment's last ``min(obs_window, n)`` queries, the same window the profiler
+used (``obs_window`` defaults to the profile's ``recent_window``). Scorers that model future queries from
+pre-RoPE queries (``expected_attention``) need the model's RoPE (:class:`PreRope`); without it they are
+refused at construction. SnapKV runs on the kernel set's SnapKV kernel (Triton on CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tangram_sgl.attention.kernel_set import KernelSet
+from tangram_sgl.scorers import SegmentTensors, SnapKVScorer, make_scorer
+
+PRE_ROPE_SCORERS = frozenset({"expected_attention"})
+
+
+@dataclass(frozen=True)
+class PreRope:
+    """The model's RoPE, for scorers that read pre-RoPE queries.
+
+    ``unrotate(q_obs [Hq, w, D], first_position) -> q_obs before RoPE``; ``inv_freq`` ``[D/2]`` (float32, CPU).
+    """
+
+    inv_freq: torch.Tensor
+    unrotate: Callable[[torch.Tensor, int], torch.Tensor]
+
+
+class SegmentScorer:
+    """``scores(q, k, v, scale, start)`` -> float32 ``[Hkv, n]`` for one segment of one layer."""
+
+    def __init__(self, scorer_name: str, kernels: KernelSet, obs_window: int, pre_rope: PreRope | None = None):
+        if obs_window < 1:
+            raise ValueError(f"obs_window must be >= 1, got {obs_window}")
+        if scorer_name in PRE_ROPE_SCORERS and pre_rope is None:
+            raise ValueError(f"scorer {scorer_name!r} needs the model's RoPE (pre-RoPE queries), which this "
+                             f"caller does not provide; use a profile made with snapkv, keydiff or streaming")
+        self.scorer = make_scorer(scorer_name)
+        self.kernels = kernels
+        self.obs_window = obs_window
+        self.pre_rope = pre_rope
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, start: int) -> torch.Tensor:
+        """q ``[Hq, n, D]``, k/v ``[Hkv, n, D]`` (RoPE applied) of a segment at absolute ``start``."""
+        n = k.shape[1]
+        w = min(self.obs_window, n)
+        q_obs = q[:, n - w:]
+        if isinstance(self.scorer, SnapKVScorer):
+            return self.kernels.snapkv(q_obs, k, scale, self.scorer.pool_kernel)
+        if self.pre_rope is not None:
+            q_pre, inv_freq = self.pre_rope.unrotate(q_obs, start + n - w), self.pre_rope.inv_freq
+        else:  # post-RoPE scorers never read q_obs_pre / inv_freq
+            q_pre, inv_freq = q_obs, torch.empty(0)
+        seg = SegmentTensors(q_obs=q_obs.float(), q_obs_pre=q_pre.float(), k=k.float(), v=v.float(),
+                             scale=float(scale), start=start, inv_freq=inv_freq)
+        return self.scorer.score(seg)
