@@ -27,6 +27,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from scipy.stats import spearmanr
 
+from results_io import summary_row, write_result
+
 from tangram_sgl.models import load_smollm2
 from tangram_sgl.profile import ModelIdentity
 from tangram_sgl.profiler.calibration import calibration_set
@@ -131,8 +133,13 @@ def main() -> None:
         "scoring_seconds": round(elapsed, 1),
         "results": results,
     }
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    summary = [
+        summary_row(f"Spearman of head budgets, {r['split'].replace('_', ' ')}, {r['scorer']}, target {r['target_ratio']}",
+                    r["spearman_budget"], "", "high (paper: ~0.97)", None)
+        for r in results if r["scorer"] == "snapkv"
+    ]
+    path = write_result(out.name, report, summary)
+    print(f"wrote {path} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

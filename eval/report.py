@@ -20,11 +20,13 @@ def table() -> str:
     lines = ["| result | metric | measured | target | met | device | date |", "|---|---|---|---|---|---|---|"]
     for path in sorted((ROOT / "eval" / "results").glob("*.json")):
         doc = json.loads(path.read_text())
+        name = doc.get("name", path.stem)
+        device = doc.get("device") or doc.get("versions", {}).get("gpu", "")
         for row in doc.get("summary", []):
             met = {True: "yes", False: "**no**", None: "—"}[row.get("met")]
             value = f"{_fmt(row['value'])} {row.get('unit', '')}".strip()
-            lines.append(f"| [{doc['name']}](eval/results/{path.name}) | {row['metric']} | {value} | "
-                         f"{row.get('target', '') or '—'} | {met} | {doc.get('device', '')} | "
+            lines.append(f"| [{name}](eval/results/{path.name}) | {row['metric']} | {value} | "
+                         f"{row.get('target', '') or '—'} | {met} | {device} | "
                          f"{doc.get('date', '')[:10]} |")
     return "\n".join(lines)
 

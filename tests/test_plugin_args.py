@@ -151,13 +151,34 @@ def test_launch_server_help_lists_the_options():
     assert "{default,tangram}" in out.stdout
 
 
-def test_selecting_the_unbuilt_backend_fails_loudly(sglang_loaded):
+def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_dir, profile_path):
+    """The registry's ``tangram`` factory on SGLang's resolved ServerArgs: with the defaults (CUDA graphs,
+    overlap scheduling) it names the flags to pass; with them it builds TangramAttnBackend on the tangram pool."""
+    from types import SimpleNamespace
+
+    import torch
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
+    from tangram_sgl.attention.backend import TangramAttnBackend
     from tangram_sgl.patches.attention_backend import TangramNotServable
+    from tangram_sgl.pool.kv_manager import TangramKVManager
+    from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
+    from tangram_sgl.profile import load_profile
 
-    with pytest.raises(TangramNotServable, match="not implemented"):
-        ATTENTION_BACKENDS["tangram"](object())
+    kv = TangramKVManager.from_profile(load_profile(profile_path), 32, dtype=torch.float32)
+
+    def runner(sa):
+        return SimpleNamespace(server_args=sa, token_to_kv_pool=TangramKVCache(kv, 512, "cpu"), device="cpu",
+                               model_config=SimpleNamespace(hf_config=MODEL_CONFIG))
+
+    args = ("--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile", str(profile_path))
+    with pytest.raises(TangramNotServable, match="--disable-cuda-graph"):
+        ATTENTION_BACKENDS["tangram"](runner(_parse(sglang_loaded, *args)))
+    with pytest.raises(TangramNotServable, match="--disable-overlap-schedule"):
+        ATTENTION_BACKENDS["tangram"](runner(_parse(sglang_loaded, *args, "--disable-cuda-graph")))
+    sa = _parse(sglang_loaded, *args, "--disable-cuda-graph", "--disable-overlap-schedule")
+    backend = ATTENTION_BACKENDS["tangram"](runner(sa))
+    assert isinstance(backend, TangramAttnBackend) and backend.manager is kv
 
 
 def test_console_script_help():

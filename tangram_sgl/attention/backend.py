@@ -72,6 +72,8 @@ class TangramAttnBackend(AttentionBackend):
             from tangram_sgl.patches.memory_pool import served_profile
 
             profile = served_profile(model_runner.model_config)
+        self.token_to_kv_pool = cache  # SGLang reads the pools through the active backend
+        self.req_to_token_pool = getattr(model_runner, "req_to_token_pool", None)
         self.manager = cache.manager
         self.context = AttentionContext.create(self.manager, profile, kernels=kernels)
         self.num_layers = self.manager.layout.num_layers

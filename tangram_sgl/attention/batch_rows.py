@@ -28,7 +28,6 @@ def batch_rows(fb: Any, kv: TangramKVManager) -> tuple[list[StepRow], list[int]]
         raise StepError(f"the tangram backend maps batch rows to requests through ForwardBatch.rids, which "
                         f"is {'missing' if fb.rids is None else f'of length {len(fb.rids)}'} for a batch of "
                         f"{fb.batch_size}")
-    token_ids = fb.input_ids.tolist()
     if mode.is_decode():
         rows = [StepRow(rid, _cached(kv, rid), 1, decode=True) for rid in fb.rids]
         seq_lens = fb.seq_lens_cpu.tolist()
@@ -36,10 +35,11 @@ def batch_rows(fb: Any, kv: TangramKVManager) -> tuple[list[StepRow], list[int]]
             if seq_len != row.start + 1:
                 raise StepError(f"decode row of {row.rid!r}: SGLang's sequence length is {seq_len} but the tangram "
                                 f"cache holds {row.start} tokens of it (+1 being decoded)")
-        return rows, [int(t) for t in token_ids]
+        return rows, [int(t) for t in fb.input_ids.tolist()]
     if mode.name not in ("EXTEND", "MIXED"):
         raise StepError(f"forward mode {mode.name} is not supported by the tangram attention backend "
                         f"(EXTEND, MIXED and DECODE are)")
+    token_ids = fb.input_ids.tolist() if mode.is_mixed() else None  # decode rows exist only in MIXED batches
     rows, decode_ids, at = [], [], 0
     for rid, prefix, n in zip(fb.rids, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
         req = kv.requests.get(rid)

@@ -27,6 +27,7 @@ import torch
 
 from tangram_sgl.attention.kernel_set import KernelSet
 from tangram_sgl.attention.segment_scoring import PreRope, SegmentScorer
+from tangram_sgl.kernels.decode import launch_order
 from tangram_sgl.pool.kv_manager import TangramKVManager
 from tangram_sgl.profile import AotSplitTable, TangramProfile
 
@@ -56,6 +57,7 @@ class AttentionContext:
     aot: AotSplitTable
     head_group: torch.Tensor  # int32 [L, H] on the pool's device
     head_column: torch.Tensor
+    head_order: torch.Tensor  # int32 [L, H]: each layer's kv heads by descending group budget (decode launch)
     _splits: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
     @classmethod
@@ -71,7 +73,9 @@ class AttentionContext:
         ks = KernelSet.for_device(kv.pool.device, kernels)
         scorer = SegmentScorer(profile.scorer, ks, obs_window or max(1, profile.recent_window), pre_rope)
         dev = kv.pool.device
-        return cls(kv, ks, scorer, profile.aot_split, lay.head_group_tensor(dev), lay.head_column_tensor(dev))
+        order = [launch_order([lay.group_budget[g] for g in layer.group]) for layer in lay.layers]
+        return cls(kv, ks, scorer, profile.aot_split, lay.head_group_tensor(dev), lay.head_column_tensor(dev),
+                   torch.tensor(order, dtype=torch.int32, device=dev))
 
     def decode_splits(self, batch_size: int) -> tuple[torch.Tensor, int]:
         """(int32 ``[G]`` splits on the device, the bucket's max) of the AOT row for ``batch_size``."""
@@ -150,7 +154,8 @@ class ForwardStep:
         if self.decode_only:
             kv.write_token_layer(self.token_slots, layer, k, v)
             return ctx.kernels.decode(q, pool.k_buffer, pool.v_buffer, self.kv_indptr, self.kv_indices, hg, hc,
-                                      self.splits, self.max_splits, ctx.aot.min_split_tokens, scale)
+                                      ctx.head_order[layer], self.splits, self.max_splits, ctx.aot.min_split_tokens,
+                                      scale)
         out = ctx.kernels.extend(q, k, v, self.qo_indptr, self.max_new, pool.k_buffer, pool.v_buffer,
                                  self.kv_indptr, self.kv_indices, hg, hc, scale)
         for i in self.extend_rows:

@@ -47,14 +47,16 @@ class KernelSet:
                                 head_group, head_column, sm_scale=sm_scale)
 
     def decode(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
-               kv_indices: torch.Tensor, head_group: torch.Tensor, head_column: torch.Tensor, splits: torch.Tensor,
-               max_splits: int, min_split_tokens: int, sm_scale: float) -> torch.Tensor:
-        """One query token per request over its (request, group) slot list -> ``[B, Hq, D]``."""
+               kv_indices: torch.Tensor, head_group: torch.Tensor, head_column: torch.Tensor, head_order: torch.Tensor,
+               splits: torch.Tensor, max_splits: int, min_split_tokens: int, sm_scale: float) -> torch.Tensor:
+        """One query token per request over its (request, group) slot list -> ``[B, Hq, D]`` (``head_order``:
+        the layer's kv heads longest-first, the Triton launch order)."""
         if self.name == "torch":
             return paged_decode_torch(q, k_buffer, v_buffer, kv_indptr, kv_indices, head_group, head_column,
                                       sm_scale=sm_scale)
         return paged_decode(q, k_buffer, v_buffer, kv_indptr, kv_indices, head_group, head_column, splits,
-                            max_splits=max_splits, min_split_tokens=min_split_tokens, sm_scale=sm_scale)
+                            head_order=head_order, max_splits=max_splits, min_split_tokens=min_split_tokens,
+                            sm_scale=sm_scale)
 
     def snapkv(self, q_obs: torch.Tensor, k: torch.Tensor, scale: float, pool_kernel: int) -> torch.Tensor:
         """SnapKV scores ``[Hkv, n]`` (see ``tangram_sgl.kernels.scoring``)."""

@@ -1,0 +1,576 @@
+"""``TangramAttnBackend``: metadata, 2-turn / chunked / mixed forwards through SGLang's ``RadixAttention`` and
+``ForwardBatch``, and the factory through SGLang's attention registry.
+
+CPU by default (torch reference kernels; the Triton variant under TRITON_INTERPRET=1). On a GPU machine:
+``TANGRAM_ATTN_TEST_DEVICE=cuda pytest tests/test_attention_backend.py`` runs the same tests with the pool
+on CUDA (Triton kernels selected by default; fp32 ``tl.dot`` there is TF32, hence the looser tolerance).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+DEV = os.environ.get("TANGRAM_ATTN_TEST_DEVICE", "cpu")
+if DEV == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton-kernel variant runs under the interpreter
+TOL = 1e-4 if DEV == "cpu" else 1e-2
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tangram_sgl.attention.backend import TangramAttnBackend
+from tangram_sgl.attention.forward_step import StepError
+from tangram_sgl.budget import kept_tokens
+from tangram_sgl.patches.attention_backend import TangramNotServable
+from tangram_sgl.pool.kv_manager import TangramKVManager
+from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
+from tangram_sgl.profile import ModelIdentity, TangramProfile
+from tangram_sgl.profile_builder import build_profile, uniform_profile
+from tangram_sgl.replay.attention_hook import install
+from tangram_sgl.replay.reference_engine import ReferenceEngine
+
+VOCAB = 256
+LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HEADS * HEAD_DIM, intermediate_size=128, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=1024)
+    return LlamaForCausalLM(cfg).eval().to(DEV)
+
+
+def server_args(**changes) -> SimpleNamespace:
+    off = PhaseConfig(backend=Backend.DISABLED)
+    sa = SimpleNamespace(cuda_graph_config=CudaGraphConfig(decode=off, prefill=copy.deepcopy(off)),
+                         disable_overlap_schedule=True, tp_size=1, pp_size=1, dp_size=1, enable_dp_attention=False,
+                         enable_two_batch_overlap=False, enable_pdmux=False, speculative_algorithm=None)
+    for k, v in changes.items():
+        setattr(sa, k, v)
+    return sa
+
+
+def fake_runner(kv: TangramKVManager, config, **sa_changes) -> SimpleNamespace:
+    """The attributes of SGLang's ModelRunner the backend reads."""
+    return SimpleNamespace(server_args=server_args(**sa_changes), token_to_kv_pool=TangramKVCache(kv, 4096, DEV),
+                           req_to_token_pool=None, model_config=SimpleNamespace(hf_config=config), device=DEV)
+
+
+def mixed_profile(config, page_size: int, heads_per_group: int, seed: int, **aot) -> TangramProfile:
+    """Non-uniform budgets (0.1 .. 0.6); groups of ``heads_per_group`` across layers."""
+    ident = ModelIdentity.from_config(config)
+    g = torch.Generator().manual_seed(seed)
+    mean = (torch.rand(ident.num_layers, ident.num_kv_heads, generator=g) * 0.5 + 0.1).tolist()
+    return build_profile(ident, mean, [[0.0] * ident.num_kv_heads] * ident.num_layers, scorer="snapkv",
+                         target_ratio=0.3, alpha=0.0, page_size=page_size, heads_per_group=heads_per_group,
+                         sink_tokens=2, recent_window=6, **aot)
+
+
+def forward_batch(mode: ForwardMode, rows: list[tuple[str, int, list[int]]]) -> ForwardBatch:
+    """A batch as SGLang builds it: rows of (rid, first position, new token ids)."""
+    ids = [t for _, _, toks in rows for t in toks]
+    pos = [p for _, s, toks in rows for p in range(s, s + len(toks))]
+    seq = [s + len(toks) for _, s, toks in rows]
+    fb = ForwardBatch(forward_mode=mode, batch_size=len(rows), input_ids=torch.tensor(ids, device=DEV),
+                      req_pool_indices=torch.arange(len(rows), device=DEV), seq_lens=torch.tensor(seq, device=DEV),
+                      out_cache_loc=torch.zeros(len(ids), dtype=torch.int64, device=DEV), seq_lens_sum=sum(seq),
+                      seq_lens_cpu=torch.tensor(seq), positions=torch.tensor(pos, device=DEV),
+                      rids=[r for r, _, _ in rows])
+    if mode != ForwardMode.DECODE:
+        fb.extend_prefix_lens_cpu = [s for _, s, _ in rows]
+        fb.extend_seq_lens_cpu = [len(t) for _, _, t in rows]
+        fb.extend_prefix_lens = torch.tensor(fb.extend_prefix_lens_cpu, device=DEV)
+        fb.extend_seq_lens = torch.tensor(fb.extend_seq_lens_cpu, device=DEV)
+        fb.extend_num_tokens = len(ids)
+    return fb
+
+
+# ---------------------------------------------------------------------------------------------- (a) metadata
+def _write_segment(kv: TangramKVManager, rid: str, n: int, start: int, seed: int) -> None:
+    """Write every layer of the pending segment with K[..., 0] = absolute position and random scores."""
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(kv.layout.num_layers):
+        k = torch.zeros(kv.layout.num_kv_heads, n, HEAD_DIM, device=DEV)
+        k[..., 0] = torch.arange(start, start + n, dtype=torch.float32)
+        k[..., 1] = layer
+        kv.write_segment_layer(rid, layer, k, k.clone(), torch.rand(kv.layout.num_kv_heads, n, generator=g).to(DEV))
+    kv.commit_segment(rid)
+
+
+def _decode_kv(kv: TangramKVManager, position: int) -> torch.Tensor:
+    k = torch.zeros(kv.layout.num_layers, kv.layout.num_kv_heads, HEAD_DIM, device=DEV)
+    k[..., 0] = position
+    return k
+
+
+def _csr_positions(step, kv: TangramKVManager, row: int, layer: int, head: int) -> list[int]:
+    """Absolute positions (K[..., 0]) stored at the step's CSR slot list of (row, head's group), head's column."""
+    G = kv.num_groups
+    g, c = kv.layout.layers[layer].group[head], kv.layout.layers[layer].column[head]
+    lo, hi = int(step.kv_indptr[row * G + g]), int(step.kv_indptr[row * G + g + 1])
+    slots = step.kv_indices[lo:hi].long()
+    ps = kv.page_size
+    return kv.pool.k_buffer[slots // ps, c, slots % ps, 0].long().tolist()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_metadata_for_ragged_extend_decode_and_mixed_batches(page_size):
+    cfg = tiny_llama().config
+    cfg.num_key_value_heads = 4  # 2 layers x 4 kv heads in groups of 3: three groups, two spanning layers
+    profile = mixed_profile(cfg, page_size, 3, seed=5)
+    kv = TangramKVManager.from_profile(profile, 2000 // page_size + 100, head_dim=HEAD_DIM, dtype=torch.float32,
+                                       device=DEV)
+    assert kv.num_groups == 3
+    backend = TangramAttnBackend(fake_runner(kv, cfg), profile)
+    sink, win = profile.sink_tokens, profile.recent_window
+
+    # history: "old" prefilled 40 tokens, decoded 3, finished -> the tree holds [40 compressed ; 3 full]
+    old = list(range(1, 41))
+    kv.admit("old", old)
+    kv.reserve("old", old, decode_tokens=3)
+    _write_segment(kv, "old", 40, 0, seed=1)
+    for p, t in zip(range(40, 43), (41, 42, 43)):
+        kv.append_decode("old", t, _decode_kv(kv, p), _decode_kv(kv, p))
+    kv.finish("old")
+    # a: turn 2 of "old" (prefix hit of 43, 10 new); b: fresh 7 tokens; c: prefilled 20, decoded 2
+    a_ids = old + [41, 42, 43] + list(range(100, 110))
+    assert kv.admit("a", a_ids).length == 43
+    kv.reserve("a", a_ids[43:], decode_tokens=4)
+    kv.admit("b", list(range(7)))
+    kv.reserve("b", list(range(7)))
+    kv.admit("c", list(range(200, 220)))
+    kv.reserve("c", list(range(200, 220)), decode_tokens=4)
+    _write_segment(kv, "c", 20, 0, seed=2)
+    for p in (20, 21):
+        kv.append_decode("c", 7, _decode_kv(kv, p), _decode_kv(kv, p))
+
+    # EXTEND [a, b]: a sees its compressed prefix, b nothing; new tokens are read from staging
+    backend.init_forward_metadata(forward_batch(ForwardMode.EXTEND, [("a", 43, a_ids[43:]), ("b", 0, list(range(7)))]))
+    step = backend.step
+    assert step.qo_indptr.tolist() == [0, 10, 17] and not step.decode_only
+    assert step.compress == {0: True, 1: any(kept_tokens(b, 7, 0, sink, win) < 7 for b in kv.layout.group_budget)}
+    G = kv.num_groups
+    for g in range(G):
+        expect = kept_tokens(kv.layout.group_budget[g], 40, 0, sink, win) + 3
+        assert int(step.kv_indptr[g + 1] - step.kv_indptr[g]) == expect
+        assert int(step.kv_indptr[G + g + 1] - step.kv_indptr[G + g]) == 0
+    for layer in range(LAYERS):
+        for h in range(4):
+            seen = _csr_positions(step, kv, 0, layer, h)
+            assert seen == kv.gather("a", layer, h)[2].tolist()  # each column reads its own head's kept tokens
+            assert seen[-3:] == [40, 41, 42] and seen == sorted(seen)
+    kept_sets = {tuple(_csr_positions(step, kv, 0, layer, h)) for layer in range(LAYERS) for h in range(4)}
+    assert len(kept_sets) > 1  # heads keep different tokens
+
+    # DECODE [c]: the new token's slot is opened in every group and is the last entry of each list
+    backend.init_forward_metadata(forward_batch(ForwardMode.DECODE, [("c", 22, [9])]))
+    step = backend.step
+    assert step.decode_only and step.token_slots.shape == (1, G)
+    for g in range(G):
+        lo, hi = int(step.kv_indptr[g]), int(step.kv_indptr[g + 1])
+        assert hi - lo == kept_tokens(kv.layout.group_budget[g], 20, 0, sink, win) + 3
+        assert int(step.kv_indices[hi - 1]) == int(step.token_slots[0, g])
+    assert step.splits.tolist() == list(profile.aot_split.splits_for(1))
+    assert step.max_splits == max(profile.aot_split.splits_for(1))
+    assert kv.requests["c"].token_ids[-1] == 9
+
+    # MIXED [a extend, c decode]: c's list excludes its new token (read from staging), its slots are opened
+    kv.commit_segment("c") if kv.requests["c"].pending else None
+    committed_c = len(kv.requests["c"].token_ids)
+    backend.init_forward_metadata(forward_batch(ForwardMode.MIXED, [("a", 43, a_ids[43:]), ("c", committed_c, [5])]))
+    step = backend.step
+    assert not step.decode_only and step.extend_rows == [0] and step.decode_index.tolist() == [10]
+    for g in range(G):
+        assert int(step.kv_indptr[G + g + 1] - step.kv_indptr[G + g]) == kept_tokens(
+            kv.layout.group_budget[g], 20, 0, sink, win) + 3
+    assert step.token_slots.shape == (1, G) and len(kv.requests["c"].token_ids) == committed_c + 1
+
+    # rows that do not match the cache, and unsupported modes, fail loudly
+    with pytest.raises(StepError, match="covers"):
+        backend.init_forward_metadata(forward_batch(ForwardMode.EXTEND, [("a", 42, a_ids[42:])]))
+    with pytest.raises(StepError, match="sequence length"):
+        backend.init_forward_metadata(forward_batch(ForwardMode.DECODE, [("c", 5, [1])]))
+    with pytest.raises(StepError, match="TARGET_VERIFY"):
+        backend.init_forward_metadata(forward_batch(ForwardMode.TARGET_VERIFY, [("b", 0, list(range(7)))]))
+    with pytest.raises(StepError, match="not running"):
+        backend.init_forward_metadata(forward_batch(ForwardMode.DECODE, [("nobody", 0, [1])]))
+
+
+# ---------------------------------------------------------------------------------------------- (b) end to end
+class _RadixStep:
+    """transformers' attention call -> SGLang's RadixAttention layer -> the active attention backend."""
+
+    def __init__(self, layers: list[RadixAttention], fb: ForwardBatch):
+        self.layers, self.fb = layers, fb
+
+    def attend(self, layer, q, k, v, scaling):
+        t = q.shape[1]
+        flat = [x.transpose(0, 1).reshape(t, -1) for x in (q, k, v)]
+        return self.layers[layer](*flat, self.fb).view(t, q.shape[0], q.shape[-1])
+
+
+class _DenseCacheStep:
+    """Independent dense reference: a full per-(layer, kv head) K/V cache of every token a conversation has
+    computed (K/V as they were computed, so compressed history shows in later tokens); new tokens at
+    [start, start+n) see, per (layer, kv head), only the given cached positions, and each other causally."""
+
+    def __init__(self, cache: dict[int, tuple[torch.Tensor, torch.Tensor]], start: int,
+                 visible: dict[tuple[int, int], torch.Tensor]):
+        self.cache, self.start, self.visible = cache, start, visible
+
+    def attend(self, layer, q, k, v, scaling):
+        hq, t, d = q.shape
+        gq = hq // k.shape[0]
+        old_k, old_v = self.cache.get(layer, (k[:, :0], v[:, :0]))
+        keys, vals = torch.cat([old_k[:, :self.start], k], 1), torch.cat([old_v[:, :self.start], v], 1)
+        self.cache[layer] = (keys, vals)
+        out = torch.empty(t, hq, d, device=q.device)
+        for h in range(k.shape[0]):
+            mask = torch.zeros(t, self.start + t, dtype=torch.bool, device=q.device)
+            mask[:, self.visible[(layer, h)].to(q.device)] = True
+            mask[:, self.start:] = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+            logits = torch.einsum("gtd,sd->gts", q[h * gq:(h + 1) * gq], keys[h]) * scaling
+            p = logits.masked_fill(~mask, float("-inf")).softmax(-1)
+            out[:, h * gq:(h + 1) * gq] = torch.einsum("gts,sd->tgd", p, vals[h])
+        return out
+
+
+class Harness:
+    """SGLang's side of a server, by hand: scheduling (admit / reserve / finish as the hooks do), batches,
+    and a forward whose attention layers are SGLang RadixAttention modules running the tangram backend."""
+
+    def __init__(self, model: LlamaForCausalLM, profile: TangramProfile, pages: int, kernels: str | None = None,
+                 kv: TangramKVManager | None = None):
+        self.model = model
+        install(model)
+        self.kv = kv or TangramKVManager.from_profile(profile, pages, dtype=torch.float32, device=DEV)
+        self.backend = TangramAttnBackend(fake_runner(self.kv, model.config), profile, kernels=kernels)
+        self.layers = [RadixAttention(HEADS, HEAD_DIM, HEAD_DIM ** -0.5, KV_HEADS, layer_id=i) for i in range(LAYERS)]
+        self.dense_cache: dict[str, dict] = {}  # conversation (first letter of the rid) -> _DenseCacheStep cache
+        self.checked_rows = 0
+
+    def admit(self, rid: str, ids: list[int], max_new: int) -> int:
+        hit = self.kv.admit(rid, ids, max_prefix_len=len(ids) - 1).length
+        self.kv.reserve(rid, ids[hit:], decode_tokens=max_new - 1)
+        return hit
+
+    def step(self, mode: ForwardMode, rows: list[tuple[str, int, list[int]]]) -> list[int]:
+        """Run one batch; check every row against a dense forward over each head's kept tokens; return the
+        greedy next token of every row."""
+        visible = {rid: {(l, h): self.kv.gather(rid, l, h)[2] for l in range(LAYERS) for h in range(KV_HEADS)}
+                   for rid, _, _ in rows}
+        fb = forward_batch(mode, rows)
+        self.backend.init_forward_metadata(fb)
+        with torch.no_grad(), forward_context(ForwardContext(attn_backend=self.backend)):
+            logits = self.model(input_ids=fb.input_ids[None], position_ids=fb.positions[None], use_cache=False,
+                                tangram_step=_RadixStep(self.layers, fb)).logits[0]
+        nxt, at = [], 0
+        for rid, start, toks in rows:
+            n = len(toks)
+            step = _DenseCacheStep(self.dense_cache.setdefault(rid[0], {}), start, visible[rid])
+            with torch.no_grad():
+                dense = self.model(input_ids=torch.tensor([toks], device=DEV),
+                                   position_ids=torch.arange(start, start + n, device=DEV)[None], use_cache=False,
+                                   tangram_step=step).logits[0]
+            torch.testing.assert_close(logits[at:at + n], dense, rtol=TOL, atol=TOL)
+            self.checked_rows += 1
+            nxt.append(int(logits[at + n - 1].argmax()))
+            at += n
+        return nxt
+
+    def decode_rows(self, rids: list[str], last: dict[str, int]) -> list[tuple[str, int, list[int]]]:
+        """Decode rows as SGLang schedules them: each request's last sampled token at its next position."""
+        return [(rid, len(self.kv.requests[rid].token_ids), [last[rid]]) for rid in rids]
+
+
+def run_conversations(h: Harness, seed: int) -> dict[str, list[int]]:
+    """Two conversations: EXTEND [A1, B1], 3 DECODE steps, A1 finishes, MIXED [A2 (tree hit) + B1 decode],
+    3 DECODE steps, both finish, EXTEND [B2 (tree hit)], 2 DECODE steps. Returns each turn's output ids."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()  # noqa: E731
+    out: dict[str, list[int]] = {}
+    a1, b1 = rand(37), rand(23)
+    h.admit("A1", a1, 4)
+    h.admit("B1", b1, 8)
+    nxt = h.step(ForwardMode.EXTEND, [("A1", 0, a1), ("B1", 0, b1)])
+    out["A1"], out["B1"] = [nxt[0]], [nxt[1]]
+    for _ in range(3):
+        nxt = h.step(ForwardMode.DECODE, h.decode_rows(["A1", "B1"], {"A1": out["A1"][-1], "B1": out["B1"][-1]}))
+        out["A1"].append(nxt[0])
+        out["B1"].append(nxt[1])
+    h.kv.finish("A1")
+    a2 = a1 + out["A1"] + rand(11)
+    hit = h.admit("A2", a2, 4)
+    assert hit == len(a1) + 3  # prompt + decoded tokens whose K/V exist
+    b_row = h.decode_rows(["B1"], {"B1": out["B1"][-1]})[0]
+    nxt = h.step(ForwardMode.MIXED, [("A2", hit, a2[hit:]), b_row])
+    out["A2"] = [nxt[0]]
+    out["B1"].append(nxt[1])
+    for _ in range(3):
+        nxt = h.step(ForwardMode.DECODE, h.decode_rows(["A2", "B1"], {"A2": out["A2"][-1], "B1": out["B1"][-1]}))
+        out["A2"].append(nxt[0])
+        out["B1"].append(nxt[1])
+    h.kv.finish("A2")
+    h.kv.finish("B1")
+    b2 = b1 + out["B1"] + rand(9)
+    hit = h.admit("B2", b2, 3)
+    assert hit == len(b1) + len(out["B1"]) - 1
+    out["B2"] = h.step(ForwardMode.EXTEND, [("B2", hit, b2[hit:])])
+    for _ in range(2):
+        out["B2"] += h.step(ForwardMode.DECODE, h.decode_rows(["B2"], {"B2": out["B2"][-1]}))
+    h.kv.finish("B2")
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_two_turns_exact_at_budget_one(page_size):
+    """Budget 1.0: every head keeps every token; the answers equal transformers' own greedy generation."""
+    model = tiny_llama(1)
+    profile = uniform_profile(model.config, 1.0, page_size=page_size, heads_per_group=3, sink_tokens=2,
+                              recent_window=6)
+    h = Harness(model, profile, pages=400)
+    dense_model = copy.deepcopy(model)
+    dense_model.set_attn_implementation("eager")
+    out = run_conversations(h, seed=7)
+    assert h.checked_rows == 2 + 6 + 2 + 6 + 1 + 2
+    # at budget 1.0 the kept sets are all positions: the backend's greedy answers equal transformers' own
+    g = torch.Generator().manual_seed(7)
+    a1 = torch.randint(0, VOCAB, (37,), generator=g).tolist()
+    with torch.no_grad():
+        hf = dense_model.generate(torch.tensor([a1], device=DEV), max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                  eos_token_id=None)
+    assert out["A1"] == hf[0, 37:].tolist()
+    assert h.kv.free_pages() + h.kv.evictable_pages() == 399 and not h.kv.requests
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_two_turns_compressed_match_kept_tokens_and_reference_engine(page_size):
+    """Non-uniform budgets < 1: every row equals dense attention over each head's kept tokens (checked inside
+    the harness), and conversation A's answers and kept sets equal the CPU reference engine's."""
+    model = tiny_llama(2)
+    profile = mixed_profile(model.config, page_size, 3, seed=11)
+    h = Harness(model, profile, pages=400)
+    out = run_conversations(h, seed=3)
+
+    ref = ReferenceEngine(copy.deepcopy(model).cpu(), profile, kv_pages=400)
+    g = torch.Generator().manual_seed(3)
+    a1 = torch.randint(0, VOCAB, (37,), generator=g).tolist()
+    torch.randint(0, VOCAB, (23,), generator=g)
+    assert ref.generate("A1", a1, 4).output_ids == out["A1"]
+    a2 = a1 + out["A1"] + torch.randint(0, VOCAB, (11,), generator=g).tolist()
+    assert ref.generate("A2", a2, 4).output_ids == out["A2"]
+    probe = a2 + out["A2"]
+    for kv in (h.kv, ref.kv):
+        kv.admit("probe", probe)
+    kept = [(l, hh) for l in range(LAYERS) for hh in range(KV_HEADS)]
+    for l, hh in kept:
+        mine, theirs = h.kv.gather("probe", l, hh), ref.kv.gather("probe", l, hh)
+        assert torch.equal(mine[2], theirs[2])
+        torch.testing.assert_close(mine[0].cpu(), theirs[0], rtol=TOL, atol=TOL)
+    sizes = {len(h.kv.gather("probe", l, hh)[2]) for l, hh in kept}
+    assert max(sizes) < len(probe) - 1 and len(sizes) > 1  # compressed, non-uniformly
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.3])
+def test_chunked_prefill_publishes_each_chunk_then_decodes(budget):
+    """Chunked prefill (what cache_unfinished_req does between chunks: ``checkpoint``): each chunk is one
+    segment; later chunks attend to the earlier, compressed chunks; every row checked as above."""
+    model = tiny_llama(4)
+    profile = (uniform_profile(model.config, 1.0, page_size=4, heads_per_group=2, sink_tokens=2, recent_window=6)
+               if budget == 1.0 else mixed_profile(model.config, 4, 2, seed=13))
+    h = Harness(model, profile, pages=600)
+    ids = torch.randint(0, VOCAB, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+    assert h.kv.admit("C", ids, max_prefix_len=69).length == 0
+    for lo, hi in ((0, 30), (30, 60), (60, 70)):
+        h.kv.reserve("C", ids[lo:hi], decode_tokens=3 if hi == 70 else 0)
+        nxt = h.step(ForwardMode.EXTEND, [("C", lo, ids[lo:hi])])
+        if hi < 70:
+            assert h.kv.checkpoint("C").length == hi  # the chunk is published in the tree
+    for _ in range(3):
+        nxt = h.step(ForwardMode.DECODE, h.decode_rows(["C"], {"C": nxt[0]}))
+    assert h.checked_rows == 6
+    done = h.kv.finish("C")
+    assert [seg.n for seg in done.segments()] == [30, 30, 10, 3]  # chunk boundaries are segment boundaries
+
+
+class SglangScheduler:
+    """SGLang 0.5.17's request path around the backend: ``TangramRadixCache`` (match, lock,
+    ``cache_unfinished_req`` at chunk boundaries, ``cache_finished_req``), the BEFORE-``alloc_for_extend``
+    reservation hook, ``ReqToTokenPool`` and the logical-id allocator; requests are duck-typed ``Req``s."""
+
+    def __init__(self, h: Harness):
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        from tangram_sgl.pool.sglang_allocator import TangramTokenAllocator
+        from tangram_sgl.radix.sglang_cache import TangramRadixCache
+
+        self.h = h
+        rtt = ReqToTokenPool(size=8, max_context_len=512, device="cpu", enable_memory_saver=False)
+        max_tokens = h.kv.pool.allocator.usable_pages * h.kv.page_size // h.kv.num_groups
+        alloc = TangramTokenAllocator(h.kv, max_tokens, 4 * max_tokens, torch.float32, "cpu")
+        self.cache = TangramRadixCache(CacheInitParams(disable=False, req_to_token_pool=rtt,
+                                                       token_to_kv_pool_allocator=alloc, page_size=1), h.kv)
+
+    def admit(self, rid: str, prompt: list[int], max_new: int) -> SimpleNamespace:
+        from array import array
+
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt[:-1]))))
+        req = SimpleNamespace(
+            rid=rid, origin_input_ids=array("q", prompt), output_ids=array("q"), extra_key=None, req_pool_idx=None,
+            prefix_indices=m.device_indices, last_node=m.last_device_node, cache_protected_len=len(m.device_indices),
+            extend_range=None, full_untruncated_fill_ids=array("q", prompt), inflight_middle_chunks=0,
+            kv_committed_len=0, sampling_params=SimpleNamespace(max_new_tokens=max_new))
+        req.get_fill_ids = lambda r=req: (r.origin_input_ids + r.output_ids)[: r.extend_range.end]
+        self.cache.inc_lock_ref(req.last_node)
+        self.cache.req_to_token_pool.alloc([req])
+        return req
+
+    def prefill_chunk(self, req: SimpleNamespace, n: int) -> int:
+        """One chunk of ``n`` prompt tokens (EXTEND); a non-final chunk is cached as SGLang does."""
+        from sglang.srt.mem_cache.allocation import alloc_token_slots
+
+        from tangram_sgl.patches.memory_pool import reserve_for_extend
+
+        start = len(req.prefix_indices)
+        req.extend_range = SimpleNamespace(start=start, end=start + n)
+        reserve_for_extend(SimpleNamespace(tree_cache=self.cache, reqs=[req]))
+        row = self.cache.req_to_token_pool.req_to_token[req.req_pool_idx]
+        row[start:start + n] = alloc_token_slots(self.cache, n).to(torch.int32)
+        req.prefix_indices = row[:start + n].to(torch.int64).clone()
+        nxt = self.h.step(ForwardMode.EXTEND, [(req.rid, start, list(req.origin_input_ids[start:start + n]))])[0]
+        if start + n < len(req.origin_input_ids):
+            self.cache.cache_unfinished_req(req, chunked=True)
+        else:
+            req.output_ids.append(nxt)
+        return nxt
+
+    def decode(self, req: SimpleNamespace) -> int:
+        from sglang.srt.mem_cache.allocation import alloc_token_slots
+
+        pos = len(req.origin_input_ids) + len(req.output_ids) - 1
+        self.cache.req_to_token_pool.req_to_token[req.req_pool_idx, pos] = alloc_token_slots(self.cache, 1).to(
+            torch.int32)
+        nxt = self.h.step(ForwardMode.DECODE, [(req.rid, pos, [req.output_ids[-1]])])[0]
+        req.output_ids.append(nxt)
+        return nxt
+
+    def finish(self, req: SimpleNamespace) -> list[int]:
+        self.cache.cache_finished_req(req, is_insert=True,
+                                      kv_len_to_handle=len(req.origin_input_ids) + len(req.output_ids) - 1)
+        self.cache.req_to_token_pool.free(req)
+        return list(req.output_ids)
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.3])
+def test_through_sglang_radix_cache_and_reservation_hook(budget, monkeypatch):
+    """Two turns of a chunked conversation through SGLang's cache interfaces and the reservation hook; the
+    second turn's match covers the first turn (its chunks and answer); every row checked as above; the pool
+    invariants hold after every cache operation (the server's debug flag)."""
+    from tangram_sgl.pool.invariants import check_invariants
+    from tangram_sgl.radix.sglang_cache import DEBUG_ENV
+
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    model = tiny_llama(6)
+    profile = (uniform_profile(model.config, 1.0, page_size=4, heads_per_group=3, sink_tokens=2, recent_window=6)
+               if budget == 1.0 else mixed_profile(model.config, 4, 3, seed=17))
+    h = Harness(model, profile, pages=900)
+    sched = SglangScheduler(h)
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, VOCAB, (50,), generator=g).tolist()
+    req = sched.admit("t1", prompt, max_new=4)
+    assert len(req.prefix_indices) == 0
+    for n in (24, 26):  # chunked prefill: the first chunk is published in the tree at its boundary
+        sched.prefill_chunk(req, n)
+    for _ in range(3):
+        sched.decode(req)
+    answer = sched.finish(req)
+    assert not h.kv.requests and not h.kv.external_locks
+    turn2 = prompt + answer + torch.randint(0, VOCAB, (9,), generator=g).tolist()
+    req2 = sched.admit("t2", turn2, max_new=2)
+    assert len(req2.prefix_indices) == 50 + 3  # prompt chunks + the decoded tokens whose K/V exist
+    sched.prefill_chunk(req2, len(turn2) - 53)
+    sched.decode(req2)
+    sched.finish(req2)
+    assert h.checked_rows == 2 + 3 + 1 + 1
+    assert h.kv.free_pages() + h.kv.evictable_pages() == 899
+    check_invariants(h.kv, deep=True)
+
+
+def test_triton_kernels_match_the_torch_path():
+    """The kernels the backend selects on CUDA (Triton; here under TRITON_INTERPRET=1), with an AOT table whose
+    small min_split_tokens makes decode split and merge: the same answers, every row checked as above."""
+    model = tiny_llama(2)
+    profile = mixed_profile(model.config, 16, 3, seed=11, min_split_tokens=4)
+    runs = []
+    for kernels in ("torch", "triton"):
+        h = Harness(copy.deepcopy(model), profile, pages=400, kernels=kernels)
+        assert h.backend.context.kernels.name == kernels
+        runs.append(run_conversations(h, seed=3))
+    assert runs[0] == runs[1]
+    assert max(profile.aot_split.splits_for(2)) > 1
+
+
+# ---------------------------------------------------------------------------------------------- (c) factory
+@pytest.fixture(scope="module")
+def registry():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    return ATTENTION_BACKENDS
+
+
+def test_factory_builds_the_backend_from_the_runner(registry, tmp_path, monkeypatch):
+    model = tiny_llama()
+    profile = uniform_profile(model.config, 0.5, page_size=16, heads_per_group=2)
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    monkeypatch.setenv("TANGRAM_PROFILE", str(path))  # what --tangram-profile exports to the scheduler
+    kv = TangramKVManager.from_profile(profile, 64, device=DEV)
+    backend = registry["tangram"](fake_runner(kv, model.config))
+    assert isinstance(backend, TangramAttnBackend) and backend.manager is kv
+    assert backend.context.kernels.name == ("torch" if DEV == "cpu" else "triton")  # chosen by the pool's device
+    assert backend.token_to_kv_pool.manager is kv
+    with pytest.raises(TangramNotServable, match="--disable-cuda-graph"):
+        backend.init_cuda_graph_state(8, 8)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"cuda_graph_config": CudaGraphConfig()}, "--disable-cuda-graph"),
+    ({"disable_overlap_schedule": False}, "--disable-overlap-schedule"),
+    ({"tp_size": 2}, "--tp 2"),
+    ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
+])
+def test_factory_refuses_what_it_cannot_serve(registry, changes, message):
+    model = tiny_llama()
+    profile = uniform_profile(model.config, 0.5, page_size=16, heads_per_group=2)
+    kv = TangramKVManager.from_profile(profile, 64)
+    with pytest.raises(TangramNotServable, match=message):
+        registry["tangram"](fake_runner(kv, model.config, **changes))
+
+
+def test_factory_needs_the_tangram_pool(registry):
+    runner = fake_runner(TangramKVManager.from_profile(uniform_profile(tiny_llama().config, 1.0), 8), None)
+    runner.token_to_kv_pool = object()
+    with pytest.raises(TangramNotServable, match="needs the tangram KV pool"):
+        registry["tangram"](runner)
