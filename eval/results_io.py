@@ -44,9 +44,11 @@ def summary_row(metric: str, value: float, unit: str = "", target: str = "", met
     return {"metric": metric, "value": value, "unit": unit, "target": target, "met": met}
 
 
-def write_result(name: str, data: Any, summary: list[dict], *, command: str | None = None) -> Path:
-    """Save ``eval/results/<name>.json`` and return its path."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def write_result(name: str, data: Any, summary: list[dict], *, command: str | None = None,
+                 directory: Path | None = None) -> Path:
+    """Save ``<directory>/<name>.json`` (default ``eval/results/``) and return its path."""
+    directory = RESULTS if directory is None else Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     doc = {
         "name": name,
         "command": command or " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
@@ -56,6 +58,6 @@ def write_result(name: str, data: Any, summary: list[dict], *, command: str | No
         "summary": summary,
         "data": data,
     }
-    path = RESULTS / f"{name}.json"
+    path = directory / f"{name}.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return path

@@ -23,12 +23,12 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from tangram_sgl.patches.attention_backend import TangramNotServable
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tangram_sgl.attention.backend import TangramAttnBackend
 from tangram_sgl.attention.forward_step import StepError
 from tangram_sgl.budget import kept_tokens
-from tangram_sgl.patches.attention_backend import TangramNotServable
 from tangram_sgl.pool.kv_manager import TangramKVManager
 from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
 from tangram_sgl.profile import ModelIdentity, TangramProfile
@@ -190,7 +190,6 @@ def test_metadata_for_ragged_extend_decode_and_mixed_batches(page_size):
     assert kv.requests["c"].token_ids[-1] == 9
 
     # MIXED [a extend, c decode]: c's list excludes its new token (read from staging), its slots are opened
-    kv.commit_segment("c") if kv.requests["c"].pending else None
     committed_c = len(kv.requests["c"].token_ids)
     backend.init_forward_metadata(forward_batch(ForwardMode.MIXED, [("a", 43, a_ids[43:]), ("c", committed_c, [5])]))
     step = backend.step
@@ -302,7 +301,10 @@ def run_conversations(h: Harness, seed: int) -> dict[str, list[int]]:
     """Two conversations: EXTEND [A1, B1], 3 DECODE steps, A1 finishes, MIXED [A2 (tree hit) + B1 decode],
     3 DECODE steps, both finish, EXTEND [B2 (tree hit)], 2 DECODE steps. Returns each turn's output ids."""
     g = torch.Generator().manual_seed(seed)
-    rand = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()  # noqa: E731
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
     out: dict[str, list[int]] = {}
     a1, b1 = rand(37), rand(23)
     h.admit("A1", a1, 4)
@@ -447,7 +449,6 @@ class SglangScheduler:
     def prefill_chunk(self, req: SimpleNamespace, n: int) -> int:
         """One chunk of ``n`` prompt tokens (EXTEND); a non-final chunk is cached as SGLang does."""
         from sglang.srt.mem_cache.allocation import alloc_token_slots
-
         from tangram_sgl.patches.memory_pool import reserve_for_extend
 
         start = len(req.prefix_indices)

@@ -1,0 +1,84 @@
+"""``eval/accuracy.py --quick``: the results envelope has its structure, and tangram's reference engine at
+uniform budget 1.0 answers every turn exactly as dense full KV (transformers' own attention and cache) does."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    before = torch.get_num_threads()  # the script sets --threads for the whole process
+    yield
+    torch.set_num_threads(before)
+
+
+def _accuracy_module():
+    spec = importlib.util.spec_from_file_location("eval_accuracy", ROOT / "eval" / "accuracy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quick_run_full_equals_uniform_one(tmp_path):
+    out = tmp_path / "accuracy_quick.json"
+    _accuracy_module().main(["--quick", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert doc["name"] == "accuracy_quick" and doc["data"]["quick"] is True
+    data = doc["data"]
+    assert data["seed"] >= 1000 and data["calibration_seed"] == 0  # disjoint from the profiles' calibration
+
+    turns = data["turns"]
+    full = {(t["conversation"], t["turn"]): t for t in turns if t["method"] == "full"}
+    uni = {(t["conversation"], t["turn"]): t for t in turns if t["method"] == "uniform"}
+    assert len(full) == 4 and full.keys() == uni.keys()  # 2 conversations x 2 turns, each method
+    for key, f in full.items():
+        u = uni[key]
+        assert f["error"] is None and u["error"] is None
+        assert f["answer"] and u["answer"] == f["answer"], key  # budget 1.0 drops nothing
+        assert u["prompt_tokens"] == f["prompt_tokens"]
+        assert u["kept_fraction"] == 1.0 and u["pages_fraction"] >= 1.0  # page tails: >= full
+        assert f["correct"] == (f["expected"].lower() in f["answer"].lower())
+    assert data["answers_equal_to_full"] == {"uniform@1": 1.0}
+
+    scores = data["scores"]
+    assert set(scores) == {"full", "uniform@1"}
+    for label, s in scores.items():
+        cell = s["all"]
+        assert cell["n"] == 4 and cell["hits"] == sum(t["correct"] for t in (full if label == "full" else uni).values())
+        assert cell["score"] == pytest.approx(cell["hits"] / 4)
+        lo, hi = cell["ci95"]
+        assert 0.0 <= lo <= cell["score"] <= hi <= 1.0 and hi - lo > 0.3  # n=4: a wide interval
+        assert s["tasks"]["needle"]["n"] == 4
+    assert scores["full"]["all"]["hits"] == scores["uniform@1"]["all"]["hits"]
+
+    rows = doc["summary"]
+    assert [r["metric"].split(" (")[0] for r in rows] == ["retrieval accuracy full", "retrieval accuracy uniform@1"]
+    assert all(r["unit"] == "% turns" and r["met"] is None for r in rows)
+    assert rows[0]["value"] == pytest.approx(100 * scores["full"]["all"]["score"], abs=0.05)
+
+
+def test_targets_rows_compare_tangram_to_uniform_and_full():
+    acc = _accuracy_module()
+
+    def cell(score: float) -> dict:
+        return {"all": {"score": score, "n": 20, "kv_kept_fraction": 0.5}}
+
+    scores = {"full": cell(0.60), "uniform@0.5": cell(0.50), "tangram@0.5": cell(0.56),
+              "uniform@0.25": cell(0.40), "tangram@0.25": cell(0.35)}
+    rows = {r["metric"].split(" (")[0].split()[-1]: r for r in acc.targets(scores, [0.5, 0.25])}
+    assert rows["tangram@0.5"]["met"] is True  # 56 >= 50 and 56 >= 60 - 5
+    assert rows["tangram@0.25"]["met"] is False  # 35 < 40
+    assert "full - 5 pts" in rows["tangram@0.5"]["target"] and "full" not in rows["tangram@0.25"]["target"]
+    scores["tangram@0.5"] = cell(0.54)  # >= uniform but 6 points below full
+    rows = {r["metric"].split(" (")[0].split()[-1]: r for r in acc.targets(scores, [0.5, 0.25])}
+    assert rows["tangram@0.5"]["met"] is False
+    assert rows["full"]["met"] is None and rows["uniform@0.5"]["met"] is None
