@@ -74,7 +74,7 @@ class TaskSizes:
     turns: int
 
 
-FULL_SIZES = TaskSizes(needle_doc_tokens=1000, needle_questions=4, kv_tokens=1200, ruler_tokens=1500, turns=3)
+FULL_SIZES = TaskSizes(needle_doc_tokens=1000, needle_questions=4, kv_tokens=800, ruler_tokens=1200, turns=3)
 QUICK_SIZES = TaskSizes(needle_doc_tokens=160, needle_questions=2, kv_tokens=200, ruler_tokens=300, turns=2)
 
 
@@ -416,7 +416,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--budgets", default="0.5,0.25", help="mean budgets for uniform and tangram (default 0.5,0.25)")
     ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {TASKS}")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}")
-    ap.add_argument("--max-tokens", type=int, default=24, help="answer length limit per turn (default 24)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="answer length limit per turn (default 32)")
     ap.add_argument("--kv-tokens", type=int, default=4096, help="engine pool size in full-KV tokens (default 4096)")
     ap.add_argument("--seed", type=int, default=SEED, help=f"task seed (>= {SEED}: disjoint from calibration seed 0)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as the replay)")

@@ -393,7 +393,9 @@ def main() -> None:
     ap.add_argument("--contexts", default="8192,32768,65536")
     ap.add_argument("--budgets", default="1.0,0.5,0.25")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, interpreter, no FlashInfer")
-    ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--no-tune", action="store_true",
+                    help="skip tuning; use --triton-config (default: the best config of the first H200 tune)")
+    ap.add_argument("--triton-config", default="128,4,2", help="block_n,num_warps,num_stages with --no-tune")
     ap.add_argument("--no-flashinfer", action="store_true", help="time the Triton kernel only")
     ap.add_argument("--out", default="eval/results/bench_kernels.json")
     ap.add_argument("--plot-from", nargs="+", metavar="JSON",
@@ -416,7 +418,12 @@ def main() -> None:
     budgets = [float(x) for x in args.budgets.split(",")]
     with_fi = not (args.tiny or args.no_flashinfer)
     gen = torch.Generator().manual_seed(0)
-    tune = {"best": [64, 4, 2], "times_ms": {}} if args.tiny or args.no_tune else tune_triton(shape, dev, gen)
+    if args.tiny:
+        tune = {"best": [64, 4, 2], "times_ms": {}}
+    elif args.no_tune:
+        tune = {"best": [int(x) for x in args.triton_config.split(",")], "times_ms": {}, "source": "--triton-config"}
+    else:
+        tune = tune_triton(shape, dev, gen)
     print("triton config (block_n, num_warps, num_stages):", tune, flush=True)
     study = [] if args.tiny else target_ctas_study(shape, dev, tuple(tune["best"]), gen)
     configs = [(b, n, m) for m in budgets for n in contexts for b in batches]

@@ -13,6 +13,7 @@ and ``ServerArgs(kv_policy=...)``). Conflicting settings fail with a message nam
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, MutableMapping
@@ -22,6 +23,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from tangram_sgl.profile import load_profile
 
 KV_POLICIES = ("default", "tangram")
+logger = logging.getLogger(__name__)
 ENV_POLICY = "TANGRAM_KV_POLICY"
 ENV_PROFILE = "TANGRAM_PROFILE"
 _SA = "sglang.srt.server_args.ServerArgs"
@@ -88,11 +90,27 @@ def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profil
     for name, off, flag in _UNSUPPORTED:
         if name in fields and fields[name] not in (off, None):
             raise KvPolicyError(f"--kv-policy tangram does not support {flag} (got {fields[name]!r})")
+    _disable_unsupported_defaults(fields)
     fields["attention_backend"] = "tangram"
     fields["radix_cache_backend"] = "tangram"
     fields["page_size"] = profile.page_size
     os.environ[ENV_POLICY] = "tangram"
     os.environ[ENV_PROFILE] = str(Path(profile_path).resolve())
+
+
+def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
+    """Turn off, loudly, the defaults the tangram backend cannot run with yet; refuse explicit requests."""
+    for name in ("cuda_graph_backend_decode", "cuda_graph_backend_prefill"):
+        if fields.get(name) not in (None, "disabled"):
+            raise KvPolicyError(f"--kv-policy tangram does not support CUDA graphs yet; "
+                                f"--{name.replace('_', '-')} {fields[name]} is not supported with it")
+    if fields.get("cuda_graph_config") is not None:
+        raise KvPolicyError("--kv-policy tangram does not support CUDA graphs yet; omit --cuda-graph-config")
+    if fields.get("cuda_graph_backend_decode") is None or not fields.get("disable_overlap_schedule"):
+        logger.warning("--kv-policy tangram: CUDA graphs and the overlap scheduler are turned off (the tangram "
+                       "attention backend builds its decode metadata on the host each step)")
+    fields["cuda_graph_backend_decode"] = fields["cuda_graph_backend_prefill"] = "disabled"
+    fields["disable_overlap_schedule"] = True
 
 
 def from_cli_args_around(original: Callable, cls: type, args: argparse.Namespace) -> Any:

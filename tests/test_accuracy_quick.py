@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ def restore_threads():
 def _accuracy_module():
     spec = importlib.util.spec_from_file_location("eval_accuracy", ROOT / "eval" / "accuracy.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve annotations through the module's entry
     spec.loader.exec_module(mod)
     return mod
 

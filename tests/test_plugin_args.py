@@ -85,6 +85,7 @@ def test_engine_keywords(sglang_loaded, model_dir, profile_path):
     (("--page-size", "1"), r"--page-size 1 differs from the profile's page_size 16"),
     (("--enable-hierarchical-cache",), r"does not support --enable-hierarchical-cache"),
     (("--kv-cache-dtype", "fp8_e4m3"), r"not 'fp8_e4m3' \(quantised KV is not implemented\)"),
+    (("--cuda-graph-backend-decode", "full"), r"does not support CUDA graphs yet; --cuda-graph-backend-decode full"),
 ])
 def test_incompatible_flags_fail_clearly(sglang_loaded, model_dir, profile_path, extra, message):
     from tangram_sgl.patches.server_args import KvPolicyError
@@ -152,8 +153,9 @@ def test_launch_server_help_lists_the_options():
 
 
 def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_dir, profile_path):
-    """The registry's ``tangram`` factory on SGLang's resolved ServerArgs: with the defaults (CUDA graphs,
-    overlap scheduling) it names the flags to pass; with them it builds TangramAttnBackend on the tangram pool."""
+    """The registry's ``tangram`` factory on SGLang's resolved ServerArgs: the policy turns CUDA graphs and
+    overlap scheduling off, the factory builds TangramAttnBackend on the tangram pool, and settings the
+    backend cannot serve are still refused by name if they reach it another way."""
     from types import SimpleNamespace
 
     import torch
@@ -171,14 +173,15 @@ def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_
         return SimpleNamespace(server_args=sa, token_to_kv_pool=TangramKVCache(kv, 512, "cpu"), device="cpu",
                                model_config=SimpleNamespace(hf_config=MODEL_CONFIG))
 
-    args = ("--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile", str(profile_path))
-    with pytest.raises(TangramNotServable, match="--disable-cuda-graph"):
-        ATTENTION_BACKENDS["tangram"](runner(_parse(sglang_loaded, *args)))
-    with pytest.raises(TangramNotServable, match="--disable-overlap-schedule"):
-        ATTENTION_BACKENDS["tangram"](runner(_parse(sglang_loaded, *args, "--disable-cuda-graph")))
-    sa = _parse(sglang_loaded, *args, "--disable-cuda-graph", "--disable-overlap-schedule")
+    sa = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram",
+                "--tangram-profile", str(profile_path))
+    assert sa.cuda_graph_config.decode.backend == "disabled" == sa.cuda_graph_config.prefill.backend
+    assert sa.disable_overlap_schedule
     backend = ATTENTION_BACKENDS["tangram"](runner(sa))
     assert isinstance(backend, TangramAttnBackend) and backend.manager is kv
+    overlapped = SimpleNamespace(**{**vars(sa), "disable_overlap_schedule": False})
+    with pytest.raises(TangramNotServable, match="--disable-overlap-schedule"):
+        ATTENTION_BACKENDS["tangram"](runner(overlapped))
 
 
 def test_console_script_help():
