@@ -51,7 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "eval"))
 
-from results_io import RESULTS, summary_row, write_result  # noqa: E402
+from results_io import RESULTS, summary_row, write_result
 
 SEED = 1000  # calibration used seed 0 (profiler notes.calibration.seed); every task seed here is >= SEED
 TASKS = ("needle", "kv", "ruler_niah")
@@ -81,8 +81,13 @@ QUICK_SIZES = TaskSizes(needle_doc_tokens=160, needle_questions=2, kv_tokens=200
 def needle_task(n: int, sizes: TaskSizes, count_tokens: Callable[[str], int], seed: int):
     from tangram_sgl.replay.workloads import long_context_workload
 
-    return long_context_workload(n, doc_tokens=sizes.needle_doc_tokens, num_questions=sizes.needle_questions,
-                                 count_tokens=count_tokens, seed=seed).conversations
+    return long_context_workload(
+        n,
+        doc_tokens=sizes.needle_doc_tokens,
+        num_questions=sizes.needle_questions,
+        count_tokens=count_tokens,
+        seed=seed,
+    ).conversations
 
 
 def _key(rng: random.Random) -> str:
@@ -109,9 +114,13 @@ def kv_task(n: int, sizes: TaskSizes, count_tokens: Callable[[str], int], seed: 
                     new[k] = f"{rng.randrange(10**5, 10**6)}"
             seen.update(new)
             key = rng.choice(list(seen))
-            head = ("Extract the value corresponding to the specified key in the JSON object below."
-                    if t == 0 else "Here are more key-value pairs.")
-            user = f"{head}\n\nJSON data:\n{json.dumps(new)}\n\nKey: \"{key}\"\nWhat is the value associated with this key?"
+            head = (
+                "Extract the value corresponding to the specified key in the JSON object below."
+                if t == 0
+                else "Here are more key-value pairs."
+            )
+            question = f'Key: "{key}"\nWhat is the value associated with this key?'
+            user = f"{head}\n\nJSON data:\n{json.dumps(new)}\n\n{question}"
             turns.append(Turn(user, seen[key]))
         convs.append(Conversation(id=f"kv-{i}", turns=tuple(turns), system=DEFAULT_SYSTEM, source="kv"))
     return convs
@@ -135,8 +144,9 @@ def ruler_niah_task(n: int, sizes: TaskSizes, count_tokens: Callable[[str], int]
             if m is None:
                 raise ValueError(f"unexpected niah_essay answer format: {gold!r}")
             turns.append(Turn(user, m.group(1)))
-        convs.append(Conversation(id=f"ruler_niah-{i}", turns=tuple(turns), system=DEFAULT_SYSTEM,
-                                  source="ruler_niah"))
+        convs.append(
+            Conversation(id=f"ruler_niah-{i}", turns=tuple(turns), system=DEFAULT_SYSTEM, source="ruler_niah")
+        )
     return convs
 
 
@@ -170,12 +180,17 @@ class EngineRunner:
     def turn(self, rid: Hashable, messages: Sequence[dict[str, str]], max_new_tokens: int) -> TurnAnswer:
         text, gen = self.engine.chat(rid, messages, max_new_tokens)
         fp = gen.footprint
-        return TurnAnswer(text, len(gen.prompt_ids), len(gen.output_ids), fp.kept_bytes / fp.full_bytes,
-                          fp.page_bytes / fp.full_bytes)
+        return TurnAnswer(
+            text,
+            len(gen.prompt_ids),
+            len(gen.output_ids),
+            fp.kept_bytes / fp.full_bytes,
+            fp.page_bytes / fp.full_bytes,
+        )
 
 
 class DenseRunner:
-    """Full KV without tangram: transformers' attention and ``DynamicCache``, greedy, one conversation at a time.
+    """Full KV without tangram: transformers' attention and ``DynamicCache``, greedy, turn by turn.
 
     The cache of a conversation holds its previous prompt + answer tokens (all but the last sampled one) and
     is cropped to the common prefix with the next turn's prompt (at most ``len - 1`` tokens), so each turn
@@ -196,18 +211,25 @@ class DenseRunner:
         self._ids: list[int] = []
 
     def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        enc = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True)
+        enc = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=True
+        )
         return [int(t) for t in enc["input_ids"]]
 
     def _logits(self, ids: Sequence[int], start: int) -> torch.Tensor:
-        out = self.model(input_ids=torch.tensor([list(ids)]), position_ids=torch.arange(start, start + len(ids))[None],
-                         past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=torch.tensor([list(ids)]),
+            position_ids=torch.arange(start, start + len(ids))[None],
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return out.logits[0, -1]
 
     @torch.inference_mode()
     def turn(self, rid: Hashable, messages: Sequence[dict[str, str]], max_new_tokens: int) -> TurnAnswer:
-        conv = rid[:-1] if isinstance(rid, tuple) else rid  # rid = (..., turn): the cache lives per conversation
+        # rid = (..., turn): the cache lives per conversation
+        conv = rid[:-1] if isinstance(rid, tuple) else rid
         if conv != self._conv:
             self._conv, self._cache, self._ids = conv, self._new_cache(), []
         prompt = self.chat_prompt(messages)
@@ -262,8 +284,11 @@ def score_cell(turns: list[dict]) -> dict:
     pages = [t["pages_fraction"] for t in ok if t["pages_fraction"] is not None]
     low, high = binomial_ci(hits, len(ok)) if ok else (None, None)
     return {
-        "n": len(ok), "hits": hits, "errors": len(turns) - len(ok),
-        "score": hits / len(ok) if ok else None, "ci95": [low, high],
+        "n": len(ok),
+        "hits": hits,
+        "errors": len(turns) - len(ok),
+        "score": hits / len(ok) if ok else None,
+        "ci95": [low, high],
         "turn1": {"n": len(ok) - len(later), "hits": hits - sum(t["correct"] for t in later)},
         "later_turns": {"n": len(later), "hits": sum(t["correct"] for t in later)},
         "kv_kept_fraction": sum(t["kept_fraction"] for t in ok) / len(ok) if ok else None,
@@ -271,8 +296,9 @@ def score_cell(turns: list[dict]) -> dict:
     }
 
 
-def run_method(runner: ChatRunner, spec: MethodSpec, conversations: dict[str, list], max_new_tokens: int,
-               progress: Any) -> list[dict]:
+def run_method(
+    runner: ChatRunner, spec: MethodSpec, conversations: dict[str, list], max_new_tokens: int, progress: Any
+) -> list[dict]:
     """Every turn of every conversation of every task through ``runner``; one record per turn."""
     from tangram_sgl.pool.reservation import AdmissionError
 
@@ -281,19 +307,37 @@ def run_method(runner: ChatRunner, spec: MethodSpec, conversations: dict[str, li
         for conv in convs:
             answers: list[str] = []
             for ti, turn in enumerate(conv.turns):
-                rec = {"method": spec.method, "budget": spec.budget, "task": task, "conversation": conv.id,
-                       "turn": ti, "expected": turn.expected, "answer": None, "correct": False, "error": None,
-                       "prompt_tokens": None, "kept_fraction": None, "pages_fraction": None}
+                rec = {
+                    "method": spec.method,
+                    "budget": spec.budget,
+                    "task": task,
+                    "conversation": conv.id,
+                    "turn": ti,
+                    "expected": turn.expected,
+                    "answer": None,
+                    "correct": False,
+                    "error": None,
+                    "prompt_tokens": None,
+                    "kept_fraction": None,
+                    "pages_fraction": None,
+                }
                 try:
-                    r = runner.turn((spec.label, conv.id, ti), conv.messages_for_turn(ti, answers), max_new_tokens)
+                    r = runner.turn(
+                        (spec.label, conv.id, ti), conv.messages_for_turn(ti, answers), max_new_tokens
+                    )
                 except AdmissionError as e:  # recorded, never silently scored: the session stops
                     rec["error"] = f"AdmissionError: {e}"
                     records.append(rec)
                     progress.update(len(conv.turns) - ti)
                     break
                 answers.append(r.answer)
-                rec.update(answer=r.answer, correct=contains(turn.expected, r.answer), prompt_tokens=r.prompt_tokens,
-                           kept_fraction=r.kept_fraction, pages_fraction=r.pages_fraction)
+                rec.update(
+                    answer=r.answer,
+                    correct=contains(turn.expected, r.answer),
+                    prompt_tokens=r.prompt_tokens,
+                    kept_fraction=r.kept_fraction,
+                    pages_fraction=r.pages_fraction,
+                )
                 records.append(rec)
                 progress.update(1)
     return records
@@ -310,14 +354,20 @@ def method_specs(methods: Sequence[str], budgets: Sequence[float]) -> list[Metho
 
 
 def shipped_profile_path(budget: float) -> Path:
-    path = Path(str(resources.files("tangram_sgl").joinpath("profiles", SHIPPED_PROFILE.format(budget=f"{budget:g}"))))
+    path = Path(
+        str(resources.files("tangram_sgl").joinpath("profiles", SHIPPED_PROFILE.format(budget=f"{budget:g}")))
+    )
     if not path.is_file():
-        raise SystemExit(f"no shipped tangram profile for budget {budget:g} ({path.name}); "
-                         f"tangram runs at 0.5 and 0.25 only (drop 'tangram' from --methods for other budgets)")
+        raise SystemExit(
+            f"no shipped tangram profile for budget {budget:g} ({path.name}); "
+            f"tangram runs at 0.5 and 0.25 only (drop 'tangram' from --methods for other budgets)"
+        )
     return path
 
 
-def build_runner(spec: MethodSpec, model: Any, dense_model: Any, tok: Any, kv_tokens: int) -> tuple[ChatRunner, dict]:
+def build_runner(
+    spec: MethodSpec, model: Any, dense_model: Any, tok: Any, kv_tokens: int
+) -> tuple[ChatRunner, dict]:
     from tangram_sgl.profile import load_profile
     from tangram_sgl.profile_builder import uniform_profile
     from tangram_sgl.replay.reference_engine import ReferenceEngine
@@ -325,28 +375,60 @@ def build_runner(spec: MethodSpec, model: Any, dense_model: Any, tok: Any, kv_to
     if spec.method == "full":
         return DenseRunner(dense_model, tok), {"engine": "transformers dense (eager attention, DynamicCache)"}
     if spec.method == "uniform":
-        profile, name = uniform_profile(model.config, spec.budget), f"uniform_profile(config, {spec.budget:g})"
+        profile, name = (
+            uniform_profile(model.config, spec.budget),
+            f"uniform_profile(config, {spec.budget:g})",
+        )
     else:
         path = shipped_profile_path(spec.budget)
         profile, name = load_profile(path, model.config), str(path.relative_to(ROOT))
     pages = profile.num_groups * -(-kv_tokens // profile.page_size) + 1
     engine = ReferenceEngine(model, profile, kv_pages=pages, tokenizer=tok)
-    return EngineRunner(engine), {"engine": "tangram reference", "profile": name,
-                                  "mean_head_budget": profile.mean_budget(),
-                                  "allocated_fraction": profile.allocated_fraction()}
+    return EngineRunner(engine), {
+        "engine": "tangram reference",
+        "profile": name,
+        "mean_head_budget": profile.mean_budget(),
+        "allocated_fraction": profile.allocated_fraction(),
+    }
 
 
 def summarize(records: list[dict], specs: list[MethodSpec], tasks: Sequence[str]) -> dict:
     out = {}
     for s in specs:
         mine = [r for r in records if r["method"] == s.method and r["budget"] == s.budget]
-        out[s.label] = {"method": s.method, "budget": s.budget, "all": score_cell(mine),
-                        "tasks": {t: score_cell([r for r in mine if r["task"] == t]) for t in tasks}}
+        out[s.label] = {
+            "method": s.method,
+            "budget": s.budget,
+            "all": score_cell(mine),
+            "tasks": {t: score_cell([r for r in mine if r["task"] == t]) for t in tasks},
+        }
     return out
+
+
+def paired(records: list[dict], a: str, b: str) -> dict | None:
+    """Turn-paired comparison of labels ``a`` and ``b``: discordant turns and the exact McNemar p-value."""
+    from scipy.stats import binomtest
+
+    def by_turn(label: str) -> dict:
+        return {
+            (r["task"], r["conversation"], r["turn"]): r["correct"]
+            for r in records
+            if MethodSpec(r["method"], r["budget"]).label == label and r["error"] is None
+        }
+
+    ra, rb = by_turn(a), by_turn(b)
+    common = ra.keys() & rb.keys()
+    if not common:
+        return None
+    only_a = sum(ra[k] and not rb[k] for k in common)
+    only_b = sum(rb[k] and not ra[k] for k in common)
+    p = binomtest(only_a, only_a + only_b).pvalue if only_a + only_b else 1.0
+    return {"turns": len(common), f"only_{a}": only_a, f"only_{b}": only_b, "mcnemar_exact_p": float(p)}
 
 
 def targets(scores: dict, budgets: Sequence[float]) -> list[dict]:
     """Summary rows: one per (budget, method), tangram rows carrying the issue's targets."""
+
     def pct(label: str) -> float | None:
         s = scores.get(label, {}).get("all", {}).get("score")
         return None if s is None else 100 * s
@@ -354,8 +436,9 @@ def targets(scores: dict, budgets: Sequence[float]) -> list[dict]:
     def row(label: str, target: str = "", met: bool | None = None) -> dict:
         a = scores[label]["all"]
         kept = f", KV kept {a['kv_kept_fraction']:.3f}" if a["kv_kept_fraction"] is not None else ""
-        return summary_row(f"retrieval accuracy {label} (n={a['n']}{kept})",
-                           round(pct(label), 1), "% turns", target, met)
+        return summary_row(
+            f"retrieval accuracy {label} (n={a['n']}{kept})", round(pct(label), 1), "% turns", target, met
+        )
 
     rows = [row("full")] if "full" in scores else []
     for b in budgets:
@@ -381,16 +464,30 @@ def plot(scores: dict, budgets: Sequence[float], tasks: Sequence[str], path: Pat
     panels = ["all", *tasks]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.6), sharey=True, squeeze=False)
     for ax, panel in zip(axes[0], panels):
-        for method, color in (("uniform", "tab:blue"), ("tangram", "tab:red")):
+        for method, color, dx in (("uniform", "tab:blue", -0.006), ("tangram", "tab:red", 0.006)):
             pts = [(b, scores[f"{method}@{b:g}"]) for b in budgets if f"{method}@{b:g}" in scores]
             if not pts:
                 continue
             cells = [(b, s["all"] if panel == "all" else s["tasks"][panel]) for b, s in pts]
-            xs = [b for b, _ in cells]
+            xs = [b + dx for b, _ in cells]
             ys = [100 * c["score"] for _, c in cells]
-            err = [[100 * (c["score"] - c["ci95"][0]) for _, c in cells],
-                   [100 * (c["ci95"][1] - c["score"]) for _, c in cells]]
+            err = [
+                [100 * (c["score"] - c["ci95"][0]) for _, c in cells],
+                [100 * (c["ci95"][1] - c["score"]) for _, c in cells],
+            ]
             ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=color, label=method)
+            for x, y, (_, c) in zip(
+                xs, ys, cells
+            ):  # the measured KV kept fraction: "same budget" made visible
+                ax.annotate(
+                    f"kept {c['kv_kept_fraction']:.2f}",
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(4 if dx > 0 else -4, 6),
+                    ha="left" if dx > 0 else "right",
+                    fontsize=7,
+                    color=color,
+                )
         if "full" in scores:
             c = scores["full"]["all"] if panel == "all" else scores["full"]["tasks"][panel]
             ax.axhline(100 * c["score"], color="k", ls="--", lw=1, label="full KV")
@@ -400,6 +497,7 @@ def plot(scores: dict, budgets: Sequence[float], tasks: Sequence[str], path: Pat
         ax.set_title(f"{panel} (n={n} turns)", fontsize=9)
         ax.set_xlabel("mean head budget")
         ax.set_xticks(list(budgets))
+        ax.set_xlim(min(budgets) - 0.12, max(budgets) + 0.12)
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("answers containing the expected text (%)")
@@ -413,16 +511,27 @@ def plot(scores: dict, budgets: Sequence[float], tasks: Sequence[str], path: Pat
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=8, help="conversations per task (default 8)")
-    ap.add_argument("--budgets", default="0.5,0.25", help="mean budgets for uniform and tangram (default 0.5,0.25)")
+    ap.add_argument(
+        "--budgets", default="0.5,0.25", help="mean budgets for uniform and tangram (default 0.5,0.25)"
+    )
     ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {TASKS}")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}")
     ap.add_argument("--max-tokens", type=int, default=32, help="answer length limit per turn (default 32)")
-    ap.add_argument("--kv-tokens", type=int, default=4096, help="engine pool size in full-KV tokens (default 4096)")
-    ap.add_argument("--seed", type=int, default=SEED, help=f"task seed (>= {SEED}: disjoint from calibration seed 0)")
+    ap.add_argument(
+        "--kv-tokens", type=int, default=4096, help="engine pool size in full-KV tokens (default 4096)"
+    )
+    ap.add_argument(
+        "--seed", type=int, default=SEED, help=f"task seed (>= {SEED}: disjoint from calibration seed 0)"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as the replay)")
-    ap.add_argument("--quick", action="store_true",
-                    help="2 samples of the needle task at tiny lengths, budget 1.0 (full vs uniform@1.0)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "accuracy_cpu.json", help="results JSON (PNG beside it)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 samples of the needle task at tiny lengths, budget 1.0 (full vs uniform@1.0)",
+    )
+    ap.add_argument(
+        "--out", type=Path, default=RESULTS / "accuracy_cpu.json", help="results JSON (PNG beside it)"
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.samples, args.tasks, args.methods, args.budgets = 2, "needle", "full,uniform", "1.0"
@@ -449,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     model, tok, model_dir = load_smollm2()
     dense_model = load_model_dir(model_dir)[0] if "full" in args.methods else None  # keeps its own attention
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
-    count_tokens = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    count_tokens = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
     conversations = {t: TASK_BUILDERS[t](args.samples, sizes, count_tokens, args.seed) for t in args.tasks}
     specs = method_specs(args.methods, args.budgets)
     total = sum(len(c.turns) for convs in conversations.values() for c in convs) * len(specs)
@@ -467,35 +576,63 @@ def main(argv: Sequence[str] | None = None) -> dict:
     same = {}
     for s in specs:
         if s.method != "full" and full:
-            mine = {(r["task"], r["conversation"], r["turn"]): r["answer"] for r in records
-                    if r["method"] == s.method and r["budget"] == s.budget}
+            mine = {
+                (r["task"], r["conversation"], r["turn"]): r["answer"]
+                for r in records
+                if r["method"] == s.method and r["budget"] == s.budget
+            }
             pairs = [(r["answer"], mine.get((r["task"], r["conversation"], r["turn"]))) for r in full]
             same[s.label] = sum(a == b for a, b in pairs) / len(pairs)
     data = {
         "model": f"SmolLM2-135M-Instruct ({model_dir.name}, float32, CPU)",
-        "quick": args.quick, "seed": args.seed, "calibration_seed": 0, "samples_per_task": args.samples,
-        "tasks": args.tasks, "budgets": args.budgets, "sizes": asdict(sizes), "max_new_tokens": args.max_tokens,
-        "kv_tokens": args.kv_tokens, "threads": args.threads, "methods": configs,
+        "quick": args.quick,
+        "seed": args.seed,
+        "calibration_seed": 0,
+        "samples_per_task": args.samples,
+        "tasks": args.tasks,
+        "budgets": args.budgets,
+        "sizes": asdict(sizes),
+        "max_new_tokens": args.max_tokens,
+        "kv_tokens": args.kv_tokens,
+        "threads": args.threads,
+        "methods": configs,
         "scoring": "expected answer contained in the greedy answer (case-insensitive), per turn; 95% CI "
-                   "Clopper-Pearson (scipy.stats.binomtest)",
+        "Clopper-Pearson (scipy.stats.binomtest)",
         "kv_fractions": "mean over turns of the conversation's KV after the turn (radix path: kept bytes, "
-                        "page bytes) / full bytes; full KV keeps everything (1.0 by construction)",
-        "prompt_tokens": {t: {"mean": round(sum(p) / len(p), 1), "max": max(p)} for t in args.tasks
-                          if (p := [r["prompt_tokens"] for r in records if r["task"] == t and r["prompt_tokens"]])},
-        "answers_equal_to_full": same, "scores": scores, "seconds": {"per_method": timing,
-                                                                      "total": round(time.perf_counter() - t0, 1)},
+        "page bytes) / full bytes; full KV keeps everything (1.0 by construction)",
+        "prompt_tokens": {
+            t: {"mean": round(sum(p) / len(p), 1), "max": max(p)}
+            for t in args.tasks
+            if (p := [r["prompt_tokens"] for r in records if r["task"] == t and r["prompt_tokens"]])
+        },
+        "answers_equal_to_full": same,
+        "paired": {
+            f"{x} vs {y}": pr
+            for b in args.budgets
+            for x, y in ((f"tangram@{b:g}", f"uniform@{b:g}"), (f"tangram@{b:g}", "full"))
+            if x in scores and y in scores and (pr := paired(records, x, y)) is not None
+        },
+        "scores": scores,
+        "seconds": {"per_method": timing, "total": round(time.perf_counter() - t0, 1)},
         "turns": records,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out.stem, data, targets(scores, args.budgets), directory=args.out.parent)
-    plot(scores, args.budgets, args.tasks, args.out.with_suffix(".png"),
-         f"SmolLM2-135M, {args.samples} conversations/task, seed {args.seed}: accuracy vs mean head budget")
+    plot(
+        scores,
+        args.budgets,
+        args.tasks,
+        args.out.with_suffix(".png"),
+        f"SmolLM2-135M, {args.samples} conversations/task, seed {args.seed}: accuracy vs mean head budget",
+    )
     for label, s in scores.items():
         a = s["all"]
         kept = "n/a" if a["kv_kept_fraction"] is None else f"{a['kv_kept_fraction']:.3f}"
-        print(f"{label:>14}: {a['hits']}/{a['n']} = {100 * a['score']:.1f}% "
-              f"[{100 * a['ci95'][0]:.1f}, {100 * a['ci95'][1]:.1f}]  KV kept {kept}  "
-              + "  ".join(f"{t} {c['hits']}/{c['n']}" for t, c in s["tasks"].items()))
+        print(
+            f"{label:>14}: {a['hits']}/{a['n']} = {100 * a['score']:.1f}% "
+            f"[{100 * a['ci95'][0]:.1f}, {100 * a['ci95'][1]:.1f}]  KV kept {kept}  "
+            + "  ".join(f"{t} {c['hits']}/{c['n']}" for t, c in s["tasks"].items())
+        )
     return data
 
 

@@ -36,19 +36,19 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
+from results_io import summary_row
 from tangram_sgl.kernels.decode import launch_order, paged_decode, paged_decode_torch
 from tangram_sgl.kernels.flashinfer_decode import (
     StoredPlanDecode,
     pool_as_single_head_pages,
     pseudo_request_pages,
 )
-from results_io import summary_row
 from tqdm import tqdm
 
+from tangram_sgl.aot_table import DEFAULT_TARGET_CTAS
 from tangram_sgl.budget import kept_tokens
 from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.profile import ModelIdentity, TangramProfile
-from tangram_sgl.aot_table import DEFAULT_TARGET_CTAS
 from tangram_sgl.profile_builder import build_profile
 
 HBM_BYTES_PER_S = 4.8e12

@@ -25,9 +25,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
-from scipy.stats import spearmanr
-
 from results_io import summary_row, write_result
+from scipy.stats import spearmanr
 
 from tangram_sgl.models import load_smollm2
 from tangram_sgl.profile import ModelIdentity

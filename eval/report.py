@@ -34,7 +34,7 @@ def table() -> str:
 def main() -> None:
     readme = ROOT / "README.md"
     text = readme.read_text()
-    new = re.sub(re.escape(START) + ".*?" + re.escape(END), f"{START}\n{table()}\n{END}", text, flags=re.S)
+    new = re.sub(re.escape(START) + ".*?" + re.escape(END), f"{START}\n{table()}\n{END}", text, flags=re.DOTALL)
     readme.write_text(new)
     print(table())
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
-from typing import Any, Callable, MutableMapping
+from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 

@@ -21,7 +21,7 @@ bucket >= its size, so each captured graph has one fixed split table (fixed laun
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from tangram_sgl.profile import AotSplitTable, HeadGroup
 

@@ -18,7 +18,7 @@ BUDGET_QUANTUM = 1_000_000
 
 def quantize_budget(budget: float) -> int:
     """Budget fraction as an integer number of millionths (the unit all page maths uses)."""
-    return int(round(budget * BUDGET_QUANTUM))
+    return round(budget * BUDGET_QUANTUM)
 
 
 def protected_tokens(n: int, start: int, sink: int, window: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 # subcommand -> (module, add-args function, run function, help)
 _SUBCOMMANDS = {

@@ -11,7 +11,7 @@ holds H_p columns.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from tangram_sgl.profile import GROUPINGS, HeadGroup
 

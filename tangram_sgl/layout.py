@@ -38,7 +38,7 @@ class HeadGroupLayout:
     layers: tuple[LayerSlots, ...]
 
     @classmethod
-    def from_profile(cls, profile: TangramProfile, page_size: int | None = None) -> "HeadGroupLayout":
+    def from_profile(cls, profile: TangramProfile, page_size: int | None = None) -> HeadGroupLayout:
         L, H = profile.model.num_layers, profile.model.num_kv_heads
         group = [[-1] * H for _ in range(L)]
         column = [[-1] * H for _ in range(L)]

@@ -20,9 +20,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 PROFILE_FORMAT = "tangram-profile"
 PROFILE_VERSION = 1
@@ -58,7 +59,7 @@ class ModelIdentity:
     config_hash: str
 
     @classmethod
-    def from_config(cls, config: Any) -> "ModelIdentity":
+    def from_config(cls, config: Any) -> ModelIdentity:
         """Build from a transformers ``PretrainedConfig``, a config.json dict, or a path to one."""
         cfg = _config_dict(config)
         heads = int(cfg["num_attention_heads"])

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tangram_sgl.aot_table import build_aot_table
 from tangram_sgl.grouping import group_heads, over_allocation

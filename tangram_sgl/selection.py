@@ -18,7 +18,7 @@ def select_kept(scores: torch.Tensor, k: int, start: int, sink: int, window: int
     protected position is kept and the remaining ``k - protected`` slots go to the highest scores
     (ties broken by lower position, so the choice is deterministic).
     """
-    h, n = scores.shape
+    n = scores.shape[1]
     if not 0 <= k <= n:
         raise ValueError(f"cannot keep {k} of {n} tokens")
     prot = protected_mask(n, start, sink, window, scores.device)

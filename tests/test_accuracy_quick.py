@@ -1,5 +1,5 @@
-"""``eval/accuracy.py --quick``: the results envelope has its structure, and tangram's reference engine at
-uniform budget 1.0 answers every turn exactly as dense full KV (transformers' own attention and cache) does."""
+"""``eval/accuracy.py --quick``: the results envelope has its structure, and tangram's reference engine
+at uniform budget 1.0 answers every turn exactly as dense full KV (transformers' attention and cache) does."""
 
 from __future__ import annotations
 
@@ -55,7 +55,9 @@ def test_quick_run_full_equals_uniform_one(tmp_path):
     assert set(scores) == {"full", "uniform@1"}
     for label, s in scores.items():
         cell = s["all"]
-        assert cell["n"] == 4 and cell["hits"] == sum(t["correct"] for t in (full if label == "full" else uni).values())
+        assert cell["n"] == 4 and cell["hits"] == sum(
+            t["correct"] for t in (full if label == "full" else uni).values()
+        )
         assert cell["score"] == pytest.approx(cell["hits"] / 4)
         lo, hi = cell["ci95"]
         assert 0.0 <= lo <= cell["score"] <= hi <= 1.0 and hi - lo > 0.3  # n=4: a wide interval
@@ -63,7 +65,10 @@ def test_quick_run_full_equals_uniform_one(tmp_path):
     assert scores["full"]["all"]["hits"] == scores["uniform@1"]["all"]["hits"]
 
     rows = doc["summary"]
-    assert [r["metric"].split(" (")[0] for r in rows] == ["retrieval accuracy full", "retrieval accuracy uniform@1"]
+    assert [r["metric"].split(" (")[0] for r in rows] == [
+        "retrieval accuracy full",
+        "retrieval accuracy uniform@1",
+    ]
     assert all(r["unit"] == "% turns" and r["met"] is None for r in rows)
     assert rows[0]["value"] == pytest.approx(100 * scores["full"]["all"]["score"], abs=0.05)
 
@@ -74,8 +79,13 @@ def test_targets_rows_compare_tangram_to_uniform_and_full():
     def cell(score: float) -> dict:
         return {"all": {"score": score, "n": 20, "kv_kept_fraction": 0.5}}
 
-    scores = {"full": cell(0.60), "uniform@0.5": cell(0.50), "tangram@0.5": cell(0.56),
-              "uniform@0.25": cell(0.40), "tangram@0.25": cell(0.35)}
+    scores = {
+        "full": cell(0.60),
+        "uniform@0.5": cell(0.50),
+        "tangram@0.5": cell(0.56),
+        "uniform@0.25": cell(0.40),
+        "tangram@0.25": cell(0.35),
+    }
     rows = {r["metric"].split(" (")[0].split()[-1]: r for r in acc.targets(scores, [0.5, 0.25])}
     assert rows["tangram@0.5"]["met"] is True  # 56 >= 50 and 56 >= 60 - 5
     assert rows["tangram@0.25"]["met"] is False  # 35 < 40

@@ -40,12 +40,7 @@ VOCAB = 256
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:

@@ -71,3 +71,17 @@ def decode(mgr: TangramKVManager, rid, token_id: int, ref=None) -> None:
     mgr.append_decode(rid, token_id, k[:, :, 0], v[:, :, 0])
     if ref is not None:
         ref.add_decode(rid, token_id, k[:, :, 0], v[:, :, 0])
+
+
+class StepClock:
+    """Deterministic stand-in for the ``time`` module in SGLang's radix cache (real clocks can tie)."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def monotonic(self):
+        self.t += 1.0
+        return self.t
+
+    def perf_counter(self):
+        return 0.0

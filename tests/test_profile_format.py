@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tangram_sgl.profile import ProfileError, load_profile, profile_from_dict
+from tangram_sgl.profile import ModelIdentity, ProfileError, load_profile, profile_from_dict
 from tangram_sgl.profile_builder import build_profile
-from tangram_sgl.profile import ModelIdentity
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],

@@ -9,7 +9,7 @@ from array import array
 from types import SimpleNamespace
 
 import torch
-from test_pool_support import decode, prefill, toy_manager
+from test_pool_support import StepClock, decode, prefill, toy_manager
 
 from tangram_sgl.pool.invariants import check_invariants
 from tangram_sgl.pool.reference_store import ReferenceKVStore, check_request
@@ -137,20 +137,6 @@ class _RecordingAllocator:
             self.freed += len(idx)
 
 
-class _Clock:
-    """Deterministic time.monotonic for SGLang's LRU (real clocks can tie on a fast machine)."""
-
-    def __init__(self):
-        self.t = 0.0
-
-    def monotonic(self):
-        self.t += 1.0
-        return self.t
-
-    def perf_counter(self):
-        return 0.0
-
-
 def _sglang_cache():
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -179,7 +165,7 @@ def test_budget_one_behaves_like_sglang_radix_cache(monkeypatch):
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    monkeypatch.setattr(rc, "time", _Clock())
+    monkeypatch.setattr(rc, "time", StepClock())
     sg = _sglang_cache()
     mgr = toy_manager(num_pages=4000, page_size=1, budget=1.0)
     G = mgr.num_groups

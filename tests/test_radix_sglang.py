@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_pool_support import TOY_CONFIG, prefill, token_kv, token_scores, toy_manager, toy_profile
+from test_pool_support import TOY_CONFIG, StepClock, prefill, token_kv, token_scores, toy_manager, toy_profile
 
 from tangram_sgl.pool.invariants import check_invariants
 from tangram_sgl.pool.reservation import AdmissionError
@@ -111,25 +111,13 @@ class Driver:
         return self.cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted
 
 
-class _Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def monotonic(self):
-        self.t += 1.0
-        return self.t
-
-    def perf_counter(self):
-        return 0.0
-
-
 def test_same_trace_same_hits_and_evictions_as_sglang_radix_cache(monkeypatch):
     import sglang.srt.mem_cache.radix_cache as rc
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     from tangram_sgl.radix.sglang_cache import DEBUG_ENV, TangramRadixCache
 
-    monkeypatch.setattr(rc, "time", _Clock())
+    monkeypatch.setattr(rc, "time", StepClock())
     monkeypatch.setenv(DEBUG_ENV, "1")  # the server-side debug flag: invariants inside every cache operation
     sg = Driver(RadixCache(_params(*_pools())))
     mgr = toy_manager(num_pages=6000, page_size=1, budget=1.0)

@@ -16,12 +16,7 @@ from tangram_sgl.replay.reference_engine import ReferenceEngine
 VOCAB = 256
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
