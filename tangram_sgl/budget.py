@@ -13,6 +13,8 @@ integer arithmetic and identical on every process and machine.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 BUDGET_QUANTUM = 1_000_000
 
 
@@ -40,6 +42,11 @@ def kept_tokens(budget: float, n: int, start: int, sink: int, window: int) -> in
     q = quantize_budget(budget)
     scored = -(-q * n // BUDGET_QUANTUM)  # ceil(budget * n), exact
     return min(n, scored + protected_tokens(n, start, sink, window))
+
+
+def group_kept_tokens(budgets: Sequence[float], n: int, start: int, sink: int, window: int) -> list[int]:
+    """k_g for every group budget of an n-token segment starting at absolute position ``start``."""
+    return [kept_tokens(b, n, start, sink, window) for b in budgets]
 
 
 def pages_for(tokens: int, page_size: int) -> int:

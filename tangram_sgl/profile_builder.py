@@ -7,7 +7,7 @@ from typing import Any
 
 from tangram_sgl.aot_table import build_aot_table
 from tangram_sgl.grouping import group_heads, over_allocation
-from tangram_sgl.profile import ModelIdentity, TangramProfile
+from tangram_sgl.profile import GROUPINGS, ModelIdentity, TangramProfile
 
 MIN_BUDGET = 1e-3  # budgets are fractions in (0, 1]; a head that needs nothing still keeps a sliver
 
@@ -41,11 +41,13 @@ def build_profile(
 ) -> TangramProfile:
     """Budgets from (mean, std), budget-sorted groups, and the AOT split table, as one profile."""
     budget = head_budgets(mean, std, alpha)
-    groups = group_heads(budget, heads_per_group, grouping)
+    by_mode = {mode: group_heads(budget, heads_per_group, mode) for mode in GROUPINGS}
+    if grouping not in by_mode:
+        raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
+    groups = by_mode[grouping]
     all_notes = {
         "over_allocation": {
-            g: round(over_allocation(budget, group_heads(budget, heads_per_group, g), heads_per_group), 6)
-            for g in ("per_layer", "cross_layer")
+            mode: round(over_allocation(budget, g, heads_per_group), 6) for mode, g in by_mode.items()
         }
     }
     all_notes.update(notes or {})

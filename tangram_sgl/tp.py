@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tangram_sgl.aot_table import build_aot_table
-from tangram_sgl.budget import kept_tokens, pages_for
+from tangram_sgl.budget import group_kept_tokens, pages_for
 from tangram_sgl.grouping import group_heads
 from tangram_sgl.profile import ModelIdentity, ProfileError, TangramProfile
 
@@ -58,10 +58,9 @@ def rank_profile(profile: TangramProfile, tp_size: int, tp_rank: int) -> Tangram
 def segment_pages(profile: TangramProfile, n: int, start: int, page_size: int | None = None) -> int:
     """Pages one segment of n tokens at ``start`` needs on a rank holding ``profile`` (all groups)."""
     ps = page_size or profile.page_size
-    return sum(
-        pages_for(kept_tokens(g.budget, n, start, profile.sink_tokens, profile.recent_window), ps)
-        for g in profile.groups
-    )
+    kept = group_kept_tokens([g.budget for g in profile.groups], n, start, profile.sink_tokens,
+                             profile.recent_window)
+    return sum(pages_for(k, ps) for k in kept)
 
 
 def agreed_segment_pages(profile: TangramProfile, tp_size: int, n: int, start: int) -> int:

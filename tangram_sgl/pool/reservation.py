@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tangram_sgl.budget import kept_tokens, pages_for
+from tangram_sgl.budget import group_kept_tokens, pages_for
 from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.pool.segment import GroupSlots, Segment
 
@@ -23,7 +23,7 @@ class AdmissionError(RuntimeError):
 
 def segment_kept_counts(layout: HeadGroupLayout, n: int, start: int, sink: int, window: int) -> list[int]:
     """k_g for every group g of an n-token segment starting at absolute position ``start``."""
-    return [kept_tokens(b, n, start, sink, window) for b in layout.group_budget]
+    return group_kept_tokens(layout.group_budget, n, start, sink, window)
 
 
 def pages_per_group(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
+from tangram_sgl.budget import pages_for
 from tangram_sgl.pool.kv_manager import TangramKVManager
 
 
@@ -33,12 +34,12 @@ def pages_to_tokens(mgr: TangramKVManager, pages: int) -> int:
 
 def tokens_to_pages(mgr: TangramKVManager, tokens: int) -> int:
     """Pages that hold ``tokens`` full-KV tokens (rounded up)."""
-    return -(-tokens * mgr.num_groups // mgr.page_size)
+    return pages_for(tokens * mgr.num_groups, mgr.page_size)
 
 
 def pool_pages_for_tokens(num_groups: int, page_size: int, max_total_tokens: int) -> int:
     """Pool size (null page included) whose usable pages hold ``max_total_tokens`` full-KV tokens."""
-    return -(-max_total_tokens * num_groups // page_size) + 1
+    return pages_for(max_total_tokens * num_groups, page_size) + 1
 
 
 class TangramTokenAllocator(TokenToKVPoolAllocator):
