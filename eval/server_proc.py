@@ -1,0 +1,90 @@
+"""Start an SGLang server (stock or tangram) as a child process, wait until it serves, stop it.
+
+Used by the GPU scripts (``serve_smoke.py``, ``exactness.py``): one command starts the server, drives it
+and collects its log, because a server started inside a device command dies when the command returns.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+import requests
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+
+@dataclass
+class ServerProcess:
+    """A running ``sglang.launch_server``; ``log``: its stdout+stderr file."""
+
+    args: list[str]
+    log: Path
+    port: int
+    proc: subprocess.Popen | None = None
+    started_s: float = field(default=0.0)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServerProcess:
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--port", str(self.port), *self.args]
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as f:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        self.started_s = time.time()
+        return self
+
+    def wait_ready(self, timeout_s: float = 600.0) -> float:
+        """Seconds until ``/health_generate`` answers 200; raises with the log tail if the server dies."""
+        t0 = time.time()
+        while time.time() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} before serving:\n{self.tail()}")
+            try:
+                if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
+                    return time.time() - t0
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"server not ready after {timeout_s:.0f} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def server_args(model_path: str, *, profile: str | None, extra: Sequence[str] = (),
+                chat_template: str | None = None) -> list[str]:
+    """``launch_server`` arguments: the model, cache/metrics reporting, and tangram when ``profile`` is set."""
+    args = ["--model-path", model_path, "--enable-cache-report", "--enable-metrics", "--log-level", "info"]
+    if chat_template:
+        args += ["--chat-template", chat_template]
+    if profile:
+        args += ["--kv-policy", "tangram", "--tangram-profile", profile]
+    return args + list(extra)
