@@ -41,7 +41,10 @@ class ServerProcess:
         with open(self.log, "w") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            # cwd: the log's folder, so a source checkout in the working directory cannot shadow the installed
+            # package (patches/ and kernels/ only exist under tangram_sgl once installed)
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                         cwd=self.log.parent)
         self.started_s = time.time()
         return self
 

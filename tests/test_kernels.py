@@ -25,12 +25,21 @@ from tangram_sgl.kernels.flashinfer_decode import (
 )
 from tangram_sgl.kernels.scoring import snapkv_scores, snapkv_scores_torch
 
-if DEV != "cpu":
+
+
+@pytest.fixture(autouse=True)
+def default_device():
+    """Tensors made by these tests live on DEV; restored after each test (other modules share the process)."""
+    before = torch.get_default_device()
     torch.set_default_device(DEV)
+    yield
+    torch.set_default_device(before)
 
 # fp32 tolerances: exact-ish under the interpreter; on a GPU, tl.dot multiplies fp32 in TF32 (10-bit
 # mantissa), seen on the H200 as ~2e-3 absolute error against the fp32 torch reference.
 F32_TOL = {"atol": 2e-5, "rtol": 1e-4} if DEV == "cpu" else {"atol": 5e-3, "rtol": 5e-3}
+# SnapKV scores are pooled softmax probabilities (<= 1), used only to rank tokens
+SCORE_TOL = {"atol": 1e-6, "rtol": 1e-4} if DEV == "cpu" else {"atol": 2e-3, "rtol": 2e-2}
 
 
 def make_pool(lengths, *, page_size, heads_per_group, head_dim, dtype=torch.float32, seed=0):
@@ -146,7 +155,7 @@ def test_snapkv_scores_matches_reference(gqa, hkv, w, n, pool):
     k = torch.randn(hkv, n, D)
     out = snapkv_scores(q, k, scale=D**-0.5, pool_kernel=pool, block_n=16)
     ref = snapkv_scores_torch(q, k, scale=D**-0.5, pool_kernel=pool)
-    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(out, ref, **SCORE_TOL)
 
 
 @pytest.mark.parametrize("page,seg_lens,kept_counts", [

@@ -28,16 +28,16 @@ stage_tests() {
 }
 stage_smoke() {
   timeout 380 python3 eval/serve_smoke.py --model-path "$DUMMY" --label "llama8b_dummy_r0.25" --out "$OUT" \
-    --profile tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json --ignore-eos -- \
+    --profile "$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json --ignore-eos -- \
     --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -60
   tail -40 "$OUT/server_llama8b_dummy_r0.25.log"
 }
 stage_exact() {
-  python3 -m tangram_sgl.cli synth --config "$SMOL" --ratio 1.0 --heads-per-group 4 --grouping cross_layer \
-    --page-size 16 --no-plot --out /tmp/smollm2.uniform.r1.0.json
+  (cd /tmp && python3 -m tangram_sgl.cli synth --config "$SMOL" --ratio 1.0 --heads-per-group 4 --grouping cross_layer \
+    --page-size 16 --no-plot --out /tmp/smollm2.uniform.r1.0.json)
   timeout 500 python3 eval/exactness.py --model-path "$SMOL" --out "$OUT" --runs stock:triton \
-    tangram:/tmp/smollm2.uniform.r1.0.json tangram:tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.5.json \
-    tangram:tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.25.json 2>&1 | tail -40
+    tangram:/tmp/smollm2.uniform.r1.0.json tangram:"$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.5.json \
+    tangram:"$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.25.json 2>&1 | tail -40
   for f in "$OUT"/server_exactness*tangram*.log; do echo "== $f"; grep -iE "error|tangram|Traceback" "$f" | tail -15; done
 }
 for s in "$@"; do echo "=== stage $s $(date +%T)"; "stage_$s"; done
