@@ -99,6 +99,9 @@ def config_hash(config: Any) -> str:
     return "sha256:" + hashlib.sha256(blob).hexdigest()[:16]
 
 
+SYNTHETIC_RUNTIME_SCORER = "snapkv"
+
+
 @dataclass(frozen=True)
 class HeadGroup:
     """H_p (or fewer) kv heads sharing one page table; members are (layer, kv_head)."""
@@ -157,6 +160,12 @@ class TangramProfile:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+    @property
+    def runtime_scorer(self) -> str:
+        """The scorer that picks kept tokens at run time: the profiled one; SnapKV for synthetic budgets
+        (``scorer: "synthetic"``: budgets drawn for throughput work, measured under no scorer)."""
+        return SYNTHETIC_RUNTIME_SCORER if self.scorer == "synthetic" else self.scorer
 
     def mean_budget(self) -> float:
         """Mean per-head budget (the fraction of full KV the heads themselves need)."""

@@ -570,3 +570,17 @@ def test_factory_needs_the_tangram_pool(registry):
     runner.token_to_kv_pool = object()
     with pytest.raises(TangramNotServable, match="needs the tangram KV pool"):
         registry["tangram"](runner)
+
+
+def test_synthetic_profile_serves_with_snapkv_selection():
+    """A synthetic profile (budgets for throughput work, ``scorer: synthetic``) picks tokens with SnapKV."""
+    from tangram_sgl.attention.forward_step import AttentionContext
+    from importlib import resources
+
+    from tangram_sgl.profile import load_profile
+
+    profile = load_profile(str(resources.files("tangram_sgl") / "profiles" / "llama-3.1-8b.synthetic.r0.25.json"))
+    assert profile.scorer == "synthetic" and profile.runtime_scorer == "snapkv"
+    kv = TangramKVManager.from_profile(profile, 4, dtype=torch.float32, device=DEV)
+    ctx = AttentionContext.create(kv, profile)
+    assert type(ctx.scorer.scorer).__name__ == "SnapKVScorer"

@@ -71,7 +71,7 @@ class AttentionContext:
         if any(len(row) != lay.num_groups for row in profile.aot_split.splits):
             raise ValueError(f"the profile's AOT split table rows do not have {lay.num_groups} groups")
         ks = KernelSet.for_device(kv.pool.device, kernels)
-        scorer = SegmentScorer(profile.scorer, ks, obs_window or max(1, profile.recent_window), pre_rope)
+        scorer = SegmentScorer(profile.runtime_scorer, ks, obs_window or max(1, profile.recent_window), pre_rope)
         dev = kv.pool.device
         order = [launch_order([lay.group_budget[g] for g in layer.group]) for layer in lay.layers]
         return cls(kv, ks, scorer, profile.aot_split, lay.head_group_tensor(dev), lay.head_column_tensor(dev),
