@@ -574,9 +574,9 @@ def test_factory_needs_the_tangram_pool(registry):
 
 def test_synthetic_profile_serves_with_snapkv_selection():
     """A synthetic profile (budgets for throughput work, ``scorer: synthetic``) picks tokens with SnapKV."""
-    from tangram_sgl.attention.forward_step import AttentionContext
     from importlib import resources
 
+    from tangram_sgl.attention.forward_step import AttentionContext
     from tangram_sgl.profile import load_profile
 
     profile = load_profile(str(resources.files("tangram_sgl") / "profiles" / "llama-3.1-8b.synthetic.r0.25.json"))

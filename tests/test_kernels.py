@@ -26,7 +26,6 @@ from tangram_sgl.kernels.flashinfer_decode import (
 from tangram_sgl.kernels.scoring import snapkv_scores, snapkv_scores_torch
 
 
-
 @pytest.fixture(autouse=True)
 def default_device():
     """Tensors made by these tests live on DEV; restored after each test (other modules share the process)."""

