@@ -100,17 +100,22 @@ def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profil
 
 
 def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
-    """Turn off, loudly, the defaults the tangram backend cannot run with yet; refuse explicit requests."""
-    for name in ("cuda_graph_backend_decode", "cuda_graph_backend_prefill"):
-        if fields.get(name) not in (None, "disabled"):
-            raise KvPolicyError(f"--kv-policy tangram does not support CUDA graphs yet; "
-                                f"--{name.replace('_', '-')} {fields[name]} is not supported with it")
+    """Turn off, loudly, the defaults the tangram backend cannot run with yet; refuse explicit requests.
+
+    Decode CUDA graphs stay as the user set them (SGLang's default: on); prefill graphs and the overlap
+    scheduler are turned off: extend steps score and compact on the host, and the backend reads each step's
+    decoded token ids on the host when it starts.
+    """
+    if fields.get("cuda_graph_backend_prefill") not in (None, "disabled"):
+        raise KvPolicyError(f"--kv-policy tangram does not support prefill CUDA graphs; --cuda-graph-backend-"
+                            f"prefill {fields['cuda_graph_backend_prefill']} is not supported with it")
     if fields.get("cuda_graph_config") is not None:
-        raise KvPolicyError("--kv-policy tangram does not support CUDA graphs yet; omit --cuda-graph-config")
-    if fields.get("cuda_graph_backend_decode") is None or not fields.get("disable_overlap_schedule"):
-        logger.warning("--kv-policy tangram: CUDA graphs and the overlap scheduler are turned off (the tangram "
-                       "attention backend builds its decode metadata on the host each step)")
-    fields["cuda_graph_backend_decode"] = fields["cuda_graph_backend_prefill"] = "disabled"
+        raise KvPolicyError("--kv-policy tangram sets the CUDA-graph phases itself; omit --cuda-graph-config "
+                            "(use --cuda-graph-backend-decode / --cuda-graph-max-bs-decode)")
+    if fields.get("cuda_graph_backend_prefill") is None or not fields.get("disable_overlap_schedule"):
+        logger.warning("--kv-policy tangram: prefill CUDA graphs and the overlap scheduler are turned off (the "
+                       "tangram backend scores and compacts extend steps on the host); decode CUDA graphs stay on")
+    fields["cuda_graph_backend_prefill"] = "disabled"
     fields["disable_overlap_schedule"] = True
 
 

@@ -24,6 +24,7 @@ from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 from tangram_sgl.patches.attention_backend import TangramNotServable
+from tangram_sgl.patches.cuda_graph import can_run_graph_around
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tangram_sgl.attention.backend import TangramAttnBackend
@@ -249,7 +250,7 @@ class Harness:
     and a forward whose attention layers are SGLang RadixAttention modules running the tangram backend."""
 
     def __init__(self, model: LlamaForCausalLM, profile: TangramProfile, pages: int, kernels: str | None = None,
-                 kv: TangramKVManager | None = None):
+                 kv: TangramKVManager | None = None, graph_buckets: tuple[int, ...] = ()):
         self.model = model
         install(model)
         self.kv = kv or TangramKVManager.from_profile(profile, pages, dtype=torch.float32, device=DEV)
@@ -257,6 +258,49 @@ class Harness:
         self.layers = [RadixAttention(HEADS, HEAD_DIM, HEAD_DIM ** -0.5, KV_HEADS, layer_id=i) for i in range(LAYERS)]
         self.dense_cache: dict[str, dict] = {}  # conversation (first letter of the rid) -> _DenseCacheStep cache
         self.checked_rows = 0
+        self.graph_buckets, self.graph_replays = graph_buckets, 0
+        self.captured: dict[int, tuple[int, ...]] = {}
+        if graph_buckets:
+            self.capture_graphs()
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        with torch.no_grad(), forward_context(ForwardContext(attn_backend=self.backend)):
+            return self.model(input_ids=fb.input_ids[None], position_ids=fb.positions[None], use_cache=False,
+                              tangram_step=_RadixStep(self.layers, fb)).logits[0]
+
+    @staticmethod
+    def _addresses(step) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in (step.token_slots, step.kv_indptr, step.kv_indices, step.splits))
+
+    def capture_graphs(self) -> None:
+        """What SGLang's decode graph runner does at start: static state, then each bucket (largest first)
+        run once on padding rows only; records the addresses each bucket's graph would read."""
+        self.backend.init_cuda_graph_state(max(self.graph_buckets), max(self.graph_buckets))
+        free = self.kv.free_pages()
+        for bs in sorted(self.graph_buckets, reverse=True):
+            fb = forward_batch(ForwardMode.DECODE, [(f"pad{i}", 0, [0]) for i in range(bs)])
+            fb.rids = None  # the runner's capture batch carries no request ids
+            self.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+            self.captured[bs] = self._addresses(self.backend.step)
+            self._forward(fb)
+        assert self.kv.free_pages() == free  # capture touches no request state
+
+    def graph_forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """A decode batch replayed in the smallest captured bucket: the can_run_graph hook prepares the step,
+        the runner pads the batch and calls out_graph with its replay view (no request ids)."""
+        raw = fb.batch_size
+        bs = min(b for b in self.graph_buckets if b >= raw)
+        runner = SimpleNamespace(attn_backend=self.backend)
+        assert can_run_graph_around(lambda _runner, _fb: True, runner, fb)  # the seam, around SGLang's check
+        pad = bs - raw
+        view = SimpleNamespace(batch_size=bs, num_padding=pad, forward_mode=ForwardMode.DECODE)
+        self.backend.init_forward_metadata_out_graph(view)
+        assert self._addresses(self.backend.step) == self.captured[bs]  # what the captured graph reads
+        padded = copy.copy(fb)
+        padded.input_ids = torch.cat([fb.input_ids, fb.input_ids.new_zeros(pad)])
+        padded.positions = torch.cat([fb.positions, fb.positions.new_zeros(pad)])
+        self.graph_replays += 1
+        return self._forward(padded)[:raw]
 
     def admit(self, rid: str, ids: list[int], max_new: int) -> int:
         hit = self.kv.admit(rid, ids, max_prefix_len=len(ids) - 1).length
@@ -269,10 +313,11 @@ class Harness:
         visible = {rid: {(l, h): self.kv.gather(rid, l, h)[2] for l in range(LAYERS) for h in range(KV_HEADS)}
                    for rid, _, _ in rows}
         fb = forward_batch(mode, rows)
-        self.backend.init_forward_metadata(fb)
-        with torch.no_grad(), forward_context(ForwardContext(attn_backend=self.backend)):
-            logits = self.model(input_ids=fb.input_ids[None], position_ids=fb.positions[None], use_cache=False,
-                                tangram_step=_RadixStep(self.layers, fb)).logits[0]
+        if self.graph_buckets and mode == ForwardMode.DECODE:
+            logits = self.graph_forward(fb)
+        else:
+            self.backend.init_forward_metadata(fb)
+            logits = self._forward(fb)
         nxt, at = [], 0
         for rid, start, toks in rows:
             n = len(toks)
@@ -547,12 +592,11 @@ def test_factory_builds_the_backend_from_the_runner(registry, tmp_path, monkeypa
     assert isinstance(backend, TangramAttnBackend) and backend.manager is kv
     assert backend.context.kernels.name == ("torch" if DEV == "cpu" else "triton")  # chosen by the pool's device
     assert backend.token_to_kv_pool.manager is kv
-    with pytest.raises(TangramNotServable, match="--disable-cuda-graph"):
-        backend.init_cuda_graph_state(8, 8)
+    assert backend.get_cuda_graph_seq_len_fill_value() == 1
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"cuda_graph_config": CudaGraphConfig()}, "--disable-cuda-graph"),
+    ({"cuda_graph_config": CudaGraphConfig()}, "--cuda-graph-backend-prefill disabled"),
     ({"disable_overlap_schedule": False}, "--disable-overlap-schedule"),
     ({"tp_size": 2}, "--tp 2"),
     ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
@@ -584,3 +628,41 @@ def test_synthetic_profile_serves_with_snapkv_selection():
     kv = TangramKVManager.from_profile(profile, 4, dtype=torch.float32, device=DEV)
     ctx = AttentionContext.create(kv, profile)
     assert type(ctx.scorer.scorer).__name__ == "SnapKVScorer"
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.3])
+def test_decode_cuda_graph_path_matches_eager(budget):
+    """Decode through the CUDA-graph protocol (capture on padding rows, can_run_graph hook, replay view with
+    padding): every row still equals dense attention over its kept tokens, the answers equal the eager
+    backend's, and every replay reads the tensors its bucket captured."""
+    model = tiny_llama(5)
+    profile = (uniform_profile(model.config, 1.0, page_size=4, heads_per_group=2, sink_tokens=2, recent_window=6)
+               if budget == 1.0 else mixed_profile(model.config, 4, 2, seed=17))
+    eager = run_conversations(Harness(model, profile, pages=400), seed=9)
+    h = Harness(model, profile, pages=400, graph_buckets=(1, 4))
+    assert run_conversations(h, seed=9) == eager
+    assert h.graph_replays == 3 + 3 + 2  # the decode-only steps (mixed batches stay eager)
+    assert h.kv.free_pages() + h.kv.evictable_pages() == 399 and not h.kv.requests
+
+
+def test_graph_declines_a_step_beyond_its_buffers_and_eager_reuses_it():
+    """A decode step whose slot lists exceed the static capacity is declined by the can_run_graph hook; the
+    eager forward then runs that same prepared step (its decode slots are opened once)."""
+    model = tiny_llama(6)
+    profile = uniform_profile(model.config, 1.0, page_size=4, heads_per_group=2, sink_tokens=2, recent_window=6)
+    h = Harness(model, profile, pages=200)
+    h.backend.init_cuda_graph_state(4, 4)
+    h.backend.graph.capacity = 8
+    ids = list(range(1, 21))
+    h.admit("A", ids, 4)
+    nxt = h.step(ForwardMode.EXTEND, [("A", 0, ids)])
+    fb = forward_batch(ForwardMode.DECODE, h.decode_rows(["A"], {"A": nxt[0]}))
+    assert not can_run_graph_around(lambda _runner, _fb: False, SimpleNamespace(attn_backend=h.backend), fb)
+    assert h.backend._prepared is None  # SGLang's own refusal: nothing is built
+    assert not can_run_graph_around(lambda _runner, _fb: True, SimpleNamespace(attn_backend=h.backend), fb)
+    prepared = h.backend._prepared[1]
+    h.backend.init_forward_metadata(fb)
+    assert h.backend.step is prepared and len(h.kv.requests["A"].token_ids) == 21
+    view = SimpleNamespace(batch_size=1, num_padding=0, forward_mode=ForwardMode.DECODE)
+    with pytest.raises(RuntimeError, match="without a prepared step"):
+        h.backend.init_forward_metadata_out_graph(view)

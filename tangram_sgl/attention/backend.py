@@ -8,10 +8,17 @@ rows to the manager's requests (:mod:`tangram_sgl.attention.batch_rows`) and bui
 bucket); every ``RadixAttention`` layer then calls :meth:`ForwardStep.attend`, and the last layer commits
 the prefilled segments. The kernels are the Triton ones on CUDA and the torch references on CPU.
 
-Not supported yet, each refused at construction with the flag to use: CUDA graphs (decode and prefill),
-overlap scheduling, tensor / pipeline / data-parallel attention, two-batch overlap, PD multiplexing,
-speculative decoding; per layer: sliding windows, logit capping, cross attention, a model that writes its
-own KV (``save_kv_cache=False``).
+Decode CUDA graphs (SGLang's decode graph runner, any bucket list): :meth:`init_cuda_graph_state` allocates
+:class:`DecodeGraphBuffers`; capture runs every bucket with padding rows only; before a replay the
+``can_run_graph`` hook (``tangram_sgl.patches.cuda_graph``) hands the live ``ForwardBatch`` to
+:meth:`prepare_graph_step`, which builds the host step (the view SGLang passes at replay carries no request
+ids), and :meth:`init_forward_metadata_out_graph` copies it into the static buffers. A batch the graph
+cannot take runs eagerly on the same prepared step.
+
+Not supported yet, each refused at construction with the flag to use: prefill CUDA graphs, overlap
+scheduling, tensor / pipeline / data-parallel attention, two-batch overlap, PD multiplexing, speculative
+decoding; per layer: sliding windows, logit capping, cross attention, a model that writes its own KV
+(``save_kv_cache=False``).
 """
 
 from __future__ import annotations
@@ -22,25 +29,24 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from tangram_sgl.attention.batch_rows import batch_rows
+from tangram_sgl.attention.decode_graph import DecodeGraphBuffers, GraphDecodeStep
 from tangram_sgl.attention.forward_step import AttentionContext, ForwardStep
 from tangram_sgl.patches.attention_backend import TangramNotServable
 from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
 from tangram_sgl.profile import TangramProfile
 
-CUDA_GRAPH_FLAGS = "--disable-cuda-graph (i.e. --cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled)"
 
-
-def cuda_graph_error() -> TangramNotServable:
-    return TangramNotServable(
-        f"--kv-policy tangram: the tangram attention backend does not support CUDA graphs yet "
-        f"(decode metadata is built on the host per step); pass {CUDA_GRAPH_FLAGS}")
+def prefill_graph_error() -> TangramNotServable:
+    return TangramNotServable("--kv-policy tangram: the tangram attention backend does not support prefill CUDA "
+                              "graphs (extend steps score and compact on the host); pass "
+                              "--cuda-graph-backend-prefill disabled")
 
 
 def check_server_args(sa: Any) -> None:
     """Raise :class:`TangramNotServable` naming the flag for every setting this backend cannot serve."""
     graphs = sa.cuda_graph_config
-    if graphs is not None and (graphs.decode.backend != "disabled" or graphs.prefill.backend != "disabled"):
-        raise cuda_graph_error()
+    if graphs is not None and graphs.prefill.backend != "disabled":
+        raise prefill_graph_error()
     if not sa.disable_overlap_schedule:
         raise TangramNotServable("--kv-policy tangram: the tangram attention backend needs the decoded token ids "
                                  "on the host when a step starts; pass --disable-overlap-schedule")
@@ -77,26 +83,64 @@ class TangramAttnBackend(AttentionBackend):
         self.manager = cache.manager
         self.context = AttentionContext.create(self.manager, profile, kernels=kernels)
         self.num_layers = self.manager.layout.num_layers
-        self.step: ForwardStep | None = None
+        self.step: ForwardStep | GraphDecodeStep | None = None
+        self.graph: DecodeGraphBuffers | None = None
+        self._prepared: tuple[Any, ForwardStep] | None = None  # (live batch, its step) from prepare_graph_step
         self._checked_layers: set[int] = set()
 
     # ------------------------------------------------------------------ metadata
+    def _host_step(self, forward_batch: Any) -> ForwardStep:
+        rows, decode_ids = batch_rows(forward_batch, self.manager)
+        return self.context.step(rows, decode_ids)
+
     def init_forward_metadata(self, forward_batch: Any) -> None:
-        """Rows -> requests, then the step's slot lists, decode slots and AOT split row."""
+        """Eager forward: rows -> requests, then the step's slot lists, decode slots and AOT split row (the step
+        :meth:`prepare_graph_step` built for this very batch, when the graph then declined it)."""
+        prepared, self._prepared = self._prepared, None
         if forward_batch.forward_mode.is_idle():
             self.step = None
-            return
-        rows, decode_ids = batch_rows(forward_batch, self.manager)
-        self.step = self.context.step(rows, decode_ids)
+        elif prepared is not None and prepared[0] is forward_batch:
+            self.step = prepared[1]
+        else:
+            self.step = self._host_step(forward_batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        raise cuda_graph_error()
-
-    def init_forward_metadata_for_breakable_cuda_graph_capture(self, forward_batch: Any) -> None:
-        raise cuda_graph_error()
+        self.graph = DecodeGraphBuffers.for_pool(self.context, max_bs)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
-        raise cuda_graph_error()
+        return 1
+
+    def prepare_graph_step(self, forward_batch: Any) -> bool:
+        """Before a decode graph replay (``can_run_graph`` hook): build the live batch's host step; whether its
+        metadata fits the static buffers (if not, SGLang runs the batch eagerly, on this same step)."""
+        self._prepared = None
+        if self.graph is None or not forward_batch.forward_mode.is_decode():
+            return False
+        step = self._host_step(forward_batch)
+        self._prepared = (forward_batch, step)
+        return self.graph.fits(step)
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        """Decode graphs: padding-only rows at capture; at replay the prepared step copied into the buffers
+        (``forward_batch`` is then SGLang's replay view: padded bucket size, no request ids)."""
+        if self.graph is None:
+            raise RuntimeError("the tangram backend got a CUDA-graph call before init_cuda_graph_state")
+        bs = forward_batch.batch_size
+        if in_capture:
+            self.step = self.graph.capture(bs)
+            return
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            raise RuntimeError("decode graph replay without a prepared step: the can_run_graph hook "
+                               "(tangram_sgl.patches.cuda_graph) did not run for this batch")
+        live = bs - getattr(forward_batch, "num_padding", 0)
+        if len(prepared[1].rows) != live:
+            raise RuntimeError(f"decode graph replay of {live} rows, but the prepared step has "
+                               f"{len(prepared[1].rows)}")
+        self.step = self.graph.load(prepared[1], bs)
+
+    def init_forward_metadata_for_breakable_cuda_graph_capture(self, forward_batch: Any) -> None:
+        raise prefill_graph_error()
 
     # ------------------------------------------------------------------ per layer
     def _check_layer(self, layer: Any, save_kv_cache: bool) -> None:

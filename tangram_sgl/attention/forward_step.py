@@ -89,6 +89,18 @@ class AttentionContext:
         return ForwardStep(self, rows, decode_token_ids)
 
 
+def decode_attend(ctx: AttentionContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  token_slots: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, splits: torch.Tensor,
+                  max_splits: int) -> torch.Tensor:
+    """One decode layer: write each row's token K/V into its slots, then split-KV paged decode over the lists
+    (which include those slots). Device work only, fixed shapes per batch size: CUDA-graph capturable."""
+    pool = ctx.kv.pool
+    ctx.kv.write_token_layer(token_slots, layer, k, v)
+    return ctx.kernels.decode(q, pool.k_buffer, pool.v_buffer, kv_indptr, kv_indices, ctx.head_group[layer],
+                              ctx.head_column[layer], ctx.head_order[layer], splits, max_splits,
+                              ctx.aot.min_split_tokens, scale)
+
+
 class ForwardStep:
     """Metadata and per-layer work of one forward (see module docstring)."""
 
@@ -107,12 +119,12 @@ class ForwardStep:
         dev = kv.pool.device
         decode_rids = [self.rids[i] for i in decode_rows]
         if self.decode_only:  # the token's slots are part of the lists; its K/V is written before attention
-            self.token_slots = kv.open_decode_slots(decode_rids, decode_token_ids)
+            self.token_slots = kv.open_decode_slots(decode_rids, decode_token_ids).to(dev)
             indptr, indices = kv.slot_lists(self.rids)
             self.splits, self.max_splits = ctx.decode_splits(len(self.rows))
         else:  # committed tokens only; new tokens are read from staging
             indptr, indices = kv.slot_lists(self.rids)
-            self.token_slots = kv.open_decode_slots(decode_rids, decode_token_ids) if decode_rows else None
+            self.token_slots = kv.open_decode_slots(decode_rids, decode_token_ids).to(dev) if decode_rows else None
         self.kv_indptr = indptr.to(dev)
         self.kv_indices = indices.to(dev)
         lens = torch.tensor([r.n for r in self.rows], dtype=torch.int32)
@@ -152,10 +164,8 @@ class ForwardStep:
         pool = kv.pool
         hg, hc = ctx.head_group[layer], ctx.head_column[layer]
         if self.decode_only:
-            kv.write_token_layer(self.token_slots, layer, k, v)
-            return ctx.kernels.decode(q, pool.k_buffer, pool.v_buffer, self.kv_indptr, self.kv_indices, hg, hc,
-                                      ctx.head_order[layer], self.splits, self.max_splits, ctx.aot.min_split_tokens,
-                                      scale)
+            return decode_attend(ctx, layer, q, k, v, scale, self.token_slots, self.kv_indptr, self.kv_indices,
+                                 self.splits, self.max_splits)
         out = ctx.kernels.extend(q, k, v, self.qo_indptr, self.max_new, pool.k_buffer, pool.v_buffer,
                                  self.kv_indptr, self.kv_indices, hg, hc, scale)
         for i in self.extend_rows:

@@ -89,8 +89,9 @@ class TangramKVManager:
         self.tree = SegmentTree(layout.page_size, self._release_segment)
         self.requests: dict[Hashable, RequestKV] = {}
         self.external_locks: Counter[SegmentNode] = Counter()
-        self._head_group = layout.head_group_tensor()
-        self._head_column = layout.head_column_tensor()
+        # on the pool's device: write_token_layer is pure device work (CUDA-graph capturable)
+        self._head_group = layout.head_group_tensor(self.pool.device).long()
+        self._head_column = layout.head_column_tensor(self.pool.device).long()
 
     @classmethod
     def from_profile(cls, profile: TangramProfile, num_pages: int, *, page_size: int | None = None,
@@ -317,9 +318,8 @@ class TangramKVManager:
     def write_token_layer(self, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write layer ``layer``'s K/V of R tokens that every group keeps (``slots``: ``[R, G]`` from
         :meth:`open_decode_slots`; ``k``, ``v``: ``[R, num_kv_heads, D]``)."""
-        group = self._head_group[layer].long()
-        column = self._head_column[layer].long()
-        rows = slots.to(torch.long)[:, group]  # [R, H]: each head's slot is its group's slot
+        group, column = self._head_group[layer], self._head_column[layer]
+        rows = slots.to(self.pool.device, torch.long)[:, group]  # [R, H]: each head's slot is its group's slot
         self.pool.write(rows.reshape(-1), column.repeat(slots.shape[0]), k.reshape(-1, k.shape[-1]),
                         v.reshape(-1, v.shape[-1]))
 
