@@ -6,9 +6,9 @@ idempotent: SGLang may call ``load_plugins()`` more than once per process.
 
 from __future__ import annotations
 
-from tangram_sgl.patches import attention_backend, cuda_graph, memory_pool, radix_cache, server_args
+from tangram_sgl.patches import attention_backend, cuda_graph, memory_pool, metrics, radix_cache, server_args
 
-SEAMS = (server_args, attention_backend, memory_pool, radix_cache, cuda_graph)
+SEAMS = (server_args, attention_backend, memory_pool, radix_cache, cuda_graph, metrics)
 
 
 def register() -> None:

@@ -89,6 +89,7 @@ class TangramKVManager:
         self.tree = SegmentTree(layout.page_size, self._release_segment)
         self.requests: dict[Hashable, RequestKV] = {}
         self.external_locks: Counter[SegmentNode] = Counter()
+        self.prefix_hit_tokens = 0  # cumulative tokens matched in the tree by admit / attach
         # on the pool's device: write_token_layer is pure device work (CUDA-graph capturable)
         self._head_group = layout.head_group_tensor(self.pool.device).long()
         self._head_column = layout.head_column_tensor(self.pool.device).long()
@@ -154,6 +155,7 @@ class TangramKVManager:
             raise ValueError(f"request {rid!r} is already running")
         m = self.match(token_ids, max_prefix_len)
         self.tree.lock(m.node)
+        self.prefix_hit_tokens += m.length
         self.requests[rid] = RequestKV(rid, m.node, list(token_ids[: m.length]),
                                        spare=[[] for _ in range(self.num_groups)])
         return m
@@ -168,6 +170,7 @@ class TangramKVManager:
             raise ValueError(f"request {rid!r}: its tokens do not start with the matched prefix ({len(path_tokens)} "
                              f"tokens)")
         self.tree.lock(node)
+        self.prefix_hit_tokens += node.end
         self.requests[rid] = RequestKV(rid, node, path_tokens, spare=[[] for _ in range(self.num_groups)])
         return PrefixMatch(node, node.end)
 
