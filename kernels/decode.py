@@ -62,7 +62,7 @@ def _decode_split_kernel(
             Q + r * stride_qb + (h * GQ + offs_h)[:, None] * stride_qh + offs_d[None, :],
             mask=mask_h[:, None], other=0.0,
         )
-        q = (q.to(tl.float32) * sm_scale).to(K.dtype.element_ty)
+        q = q.to(K.dtype.element_ty)  # unscaled: the scale multiplies the fp32 dot product, as SGLang's kernels
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
@@ -75,7 +75,7 @@ def _decode_split_kernel(
             k_row = page * stride_kp + c * stride_kc + tok * stride_kt
             v_row = page * stride_vp + c * stride_vc + tok * stride_vt
             k = tl.load(K + k_row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k))
+            qk = tl.dot(q, tl.trans(k)) * sm_scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp(m_i - m_new)

@@ -46,7 +46,7 @@ def _extend_kernel(
         offs_d = tl.arange(0, D)
         q_ptr = (qo_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(Q + q_ptr, mask=mask_m[:, None], other=0.0)
-        q = (q.to(tl.float32) * sm_scale).to(K.dtype.element_ty)
+        q = q.to(K.dtype.element_ty)  # unscaled: the scale multiplies the fp32 dot product, as SGLang's kernels
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -58,7 +58,7 @@ def _extend_kernel(
             pos = slot % PAGE
             k = tl.load(K + (page * stride_kp + c * stride_kc + pos * stride_kt)[:, None] + offs_d[None, :],
                         mask=mask_n[:, None], other=0.0)
-            qk = tl.where(mask_n[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
+            qk = tl.where(mask_n[None, :], tl.dot(q, tl.trans(k)) * sm_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(qk - m_new[:, None])
@@ -74,7 +74,7 @@ def _extend_kernel(
             row = (qo_start + offs_n).to(tl.int64) * stride_nt + h * stride_nh
             k = tl.load(KNew + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
             visible = mask_n[None, :] & (offs_n[None, :] <= tok[:, None])
-            qk = tl.where(visible, tl.dot(q, tl.trans(k)), float("-inf"))
+            qk = tl.where(visible, tl.dot(q, tl.trans(k)) * sm_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(qk - m_new[:, None])

@@ -301,3 +301,22 @@ def test_idle_pool_accounting_adds_up_exactly_as_sglangs_idle_check_demands():
         assert alloc.available_size() + d.cache.evictable_size() + d.cache.protected_size() == T
         # and nothing is overstated: what is reported available really fits in free pages
         assert alloc.available_size() * mgr.num_groups <= mgr.free_pages() * mgr.page_size
+
+
+@pytest.mark.parametrize("page_size,heads_per_group,budget", [(1, 1, None), (4, 2, None), (16, 2, None),
+                                                               (16, 4, 1.0), (16, 1, 0.3), (4, 3, None)])
+def test_exact_reservation_never_exceeds_sglangs_admission_charge(page_size, heads_per_group, budget):
+    """SGLang's PrefillAdder charges a request ceil_page(n) + max_new + page_size full-KV tokens; the pages the
+    BEFORE-alloc_for_extend hook then reserves (any segment start, budgets, decode growth) never exceed that
+    charge in full-KV-token equivalents, so a request SGLang admitted always gets its reservation."""
+    from tangram_sgl.pool.reservation import pages_per_group
+    from tangram_sgl.pool.sglang_allocator import pages_to_tokens
+
+    mgr = toy_manager(page_size=page_size, heads_per_group=heads_per_group, budget=budget)
+    rng = random.Random(page_size * 100 + heads_per_group)
+    for _ in range(400):
+        n, start, decode = rng.randint(1, 300), rng.choice([0, rng.randint(1, 500)]), rng.randint(0, 200)
+        need = pages_to_tokens(mgr, sum(pages_per_group(mgr.layout, n, start, decode, mgr.sink_tokens,
+                                                        mgr.recent_window)))
+        charge = -(-n // page_size) * page_size + decode + page_size
+        assert need <= charge, (n, start, decode, need, charge)

@@ -153,3 +153,14 @@ def test_pool_exhaustion_is_a_clear_error():
     with pytest.raises(AdmissionError, match="needs"):
         eng.generate("big", list(range(100)), 4)
     assert eng.kv.free_pages() == 19 and not eng.kv.requests  # nothing leaked
+
+
+@pytest.mark.parametrize("feature", ["softcap", "sliding_window"])
+def test_reference_attention_refuses_what_it_does_not_implement(feature):
+    from types import SimpleNamespace
+
+    from tangram_sgl.replay.attention_hook import _tangram_attention
+
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(NotImplementedError, match=feature):
+        _tangram_attention(SimpleNamespace(layer_idx=0), q, q, q, None, tangram_step=object(), **{feature: 16})

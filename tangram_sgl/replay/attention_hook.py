@@ -32,6 +32,10 @@ def _tangram_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         raise RuntimeError("the tangram_reference attention needs a tangram_step keyword in the forward call")
     if query.shape[0] != 1:
         raise ValueError(f"the reference engine runs one request per forward, got batch {query.shape[0]}")
+    for name in ("softcap", "sliding_window"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"layer {module.layer_idx} uses attention {name}={kwargs[name]!r}, which the "
+                                      f"tangram reference attention does not implement")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = step.attend(module.layer_idx, query[0], key[0], value[0], scale)
     return out[None], None
