@@ -7,6 +7,9 @@
 #   tests   tests/test_kernels.py + tests/test_attention_backend.py on CUDA (compiled Triton)
 #   smoke   eval/serve_smoke.py: dummy Llama-3.1-8B, synthetic r0.25 profile, OpenAI / native / frontend
 #   exact   eval/exactness.py: SmolLM2 greedy tokens, stock triton vs tangram at budgets 1.0 / 0.5 / 0.25
+#   exact1 / floor / exactfp32   budget 1.0 only; stock triton vs stock flashinfer; both in fp32
+#   smoke_eager   the smoke with decode CUDA graphs off
+#   bench1 / bench2   eval/bench_serving.py at long contexts: stock + r0.25; r1.0 + r0.5
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -31,15 +34,34 @@ stage_tests() {
      "$R/tests/test_kernels.py" "$R/tests/test_attention_backend.py" 2>&1 | tail -40) | tee "$OUT/gpu_tests.log"
 }
 stage_smoke() {
-  timeout 380 python3 eval/serve_smoke.py --model-path "$DUMMY" --label "llama8b_dummy_r0.25" --out "$OUT" \
+  timeout 380 python3 eval/serve_smoke.py --model-path "$DUMMY" --label "${SMOKE_LABEL:-llama8b_dummy_r0.25}" --out "$OUT" \
     --profile "$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json --ignore-eos -- \
-    --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -60
-  tail -40 "$OUT/server_llama8b_dummy_r0.25.log"
+    --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 ${SMOKE_EXTRA:-} 2>&1 | tail -60
+  tail -40 "$OUT/server_${SMOKE_LABEL:-llama8b_dummy_r0.25}.log"
 }
 stage_exact() { exact_runs stock:triton tangram:/tmp/smollm2.uniform.r1.0.json \
     tangram:"$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.5.json \
     tangram:"$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.25.json; }
 stage_exact1() { exact_runs stock:triton tangram:/tmp/smollm2.uniform.r1.0.json; }
+# the bf16 noise floor between two correct stock backends, and both paths in fp32
+stage_floor() { NAME=exactness_smollm2_floor exact_runs stock:triton stock:flashinfer; }
+stage_exactfp32() { NAME=exactness_smollm2_fp32 EXTRA="--dtype float32" exact_runs stock:triton \
+    tangram:/tmp/smollm2.uniform.r1.0.json; }
+stage_smoke_eager() { SMOKE_LABEL=llama8b_dummy_r0.25_eager SMOKE_EXTRA="--cuda-graph-backend-decode disabled" stage_smoke; }
+# serving throughput, dummy Llama-3.1-8B (two calls: each server start costs ~2 min)
+stage_bench1() { bench_runs bench_serving_long_a stock:flashinfer tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
+stage_bench2() {
+  (cd /tmp && python3 -c "from transformers import AutoConfig; from tangram_sgl.profile_builder import uniform_profile; \
+uniform_profile(AutoConfig.from_pretrained('$DUMMY'), 1.0).save('/tmp/llama-3.1-8b.uniform.r1.0.json')")
+  bench_runs bench_serving_long_b tangram:/tmp/llama-3.1-8b.uniform.r1.0.json \
+    tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.5.json
+}
+bench_runs() {
+  local name=$1; shift
+  timeout 560 python3 eval/bench_serving.py --model-path "$DUMMY" --out "$OUT" --name "$name" --servers "$@" \
+    --contexts long=49152 --sessions 24 --concurrency 24 --questions 5 --max-tokens 64 --ignore-eos \
+    --replay-timeout 200 -- --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
+}
 exact_runs() {
   (cd /tmp && python3 -c "from transformers import AutoConfig; from tangram_sgl.profile_builder import uniform_profile; \
 uniform_profile(AutoConfig.from_pretrained('$SMOL'), 1.0).save('/tmp/smollm2.uniform.r1.0.json')")

@@ -1,0 +1,150 @@
+"""Multi-turn serving throughput: stock SGLang vs tangram_sgl on the same model and load (issue 5, GPU).
+
+For every (server, context class) pair: start the server, replay long shared-context sessions (a document
+of the class's length + question turns, ``tangram-sgl replay --workload long``) at a fixed concurrency with
+the history resent every turn, then read what the server holds. Reported per run: requests/s, output
+tokens/s, TTFT/TPOT percentiles, cache-hit ratio, errors, the server's ``max_total_num_tokens`` and GPU
+memory, and the sessions its KV memory holds at once:
+
+- stock: ``max_total_num_tokens / tokens per session`` (full KV);
+- tangram: the same, divided by the kept fraction the ``sglang:tangram_kv_kept_bytes / kv_full_bytes``
+  gauges report after the run (pages actually in use over the same tokens as full KV).
+
+Servers: ``stock:<attention backend>`` or ``tangram:<profile.json>`` (label = profile stem).
+
+    python eval/bench_serving.py --model-path DIR --out DIR --servers stock:flashinfer tangram:P025.json \
+        --contexts short=4096 mid=16384 long=49152 --sessions 32 --concurrency 32 -- --load-format dummy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+from results_io import summary_row, write_result
+from server_proc import TEMPLATES, ServerProcess, server_args
+
+from tangram_sgl.profile import load_profile
+
+
+def throughput_target(target_ratio: float | None, context: str) -> float | None:
+    """Issue 5's targets: >= 3x stock at long contexts and mean budget 0.25; >= 0.95x (no tax) at 1.0."""
+    if target_ratio == 1.0:
+        return 0.95
+    if target_ratio == 0.25 and context == "long":
+        return 3.0
+    return None
+
+
+def gpu_memory_used_mib() -> int | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return int(out.split()[0])
+
+
+def gauge(metrics: str, name: str) -> float | None:
+    m = re.search(rf"^sglang:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", metrics, re.MULTILINE)
+    return float(m.group(1)) if m else None
+
+
+def replay(url: str, model: str, tokenizer: str, doc_tokens: int, a: argparse.Namespace, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "tangram_sgl.cli", "replay", "--workload", "long", "--doc-tokens", str(doc_tokens),
+           "--num-sessions", str(a.sessions), "--num-questions", str(a.questions), "--endpoint", url + "/v1",
+           "--model", model, "--tokenizer", tokenizer, "--max-concurrency", str(a.concurrency),
+           "--session-rate", "inf", "--max-tokens", str(a.max_tokens), "--output", str(out), "--no-progress"]
+    if a.ignore_eos:
+        cmd.append("--ignore-eos")
+    subprocess.run(cmd, check=False, timeout=a.replay_timeout, cwd=out.parent)
+    return json.loads(out.read_text())
+
+
+def run_one(spec: str, ctx_name: str, doc_tokens: int, a: argparse.Namespace) -> dict:
+    kind, _, arg = spec.partition(":")
+    label = f"stock_{arg}" if kind == "stock" else f"tangram_{Path(arg).stem}"
+    extra = (["--attention-backend", arg] if kind == "stock" else []) + list(a.server_extra)
+    args = server_args(a.model_path, profile=arg if kind == "tangram" else None, extra=extra,
+                       chat_template=str(TEMPLATES / "plain-chat.jinja"))
+    server = ServerProcess(args, a.out / f"server_bench_{label}_{ctx_name}.log", a.port)
+    run: dict = {"server": spec, "label": label, "context": ctx_name, "doc_tokens": doc_tokens,
+                 "target_ratio": load_profile(arg).target_ratio if kind == "tangram" else None}
+    with server:
+        try:
+            run["ready_s"] = server.wait_ready()
+            model = requests.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            t0 = time.time()
+            doc = replay(server.url, model, a.model_path, doc_tokens, a, a.out / f"replay_{label}_{ctx_name}.json")
+            run["replay_wall_s"] = time.time() - t0
+            run["summary"] = doc["summary"]
+            metrics = requests.get(server.url + "/metrics", timeout=30).text
+            run["gpu_memory_used_mib"] = gpu_memory_used_mib()
+            kept, full = gauge(metrics, "tangram_kv_kept_bytes"), gauge(metrics, "tangram_kv_full_bytes")
+            run["kept_fraction"] = kept / full if kept is not None and full else (1.0 if kind == "stock" else None)
+        except Exception as e:  # noqa: BLE001 (recorded; the other runs still go)
+            run["error"] = f"{type(e).__name__}: {e}"
+    log = server.log.read_text(errors="replace")
+    m = re.search(r"max_total_num_tokens=(\d+)", log)
+    run["max_total_num_tokens"] = int(m.group(1)) if m else None
+    s = run.get("summary")
+    if s and run["max_total_num_tokens"] and run.get("kept_fraction"):
+        per_session = (s["prompt_tokens"] / max(s["turns_ok"], 1) + a.max_tokens)  # ~ the last turn's length
+        run["sessions_in_memory"] = run["max_total_num_tokens"] / (per_session * run["kept_fraction"])
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--servers", nargs="+", required=True, help="stock:<attention backend> | tangram:<profile>")
+    p.add_argument("--contexts", nargs="+", default=["short=4096", "mid=16384", "long=49152"],
+                   help="name=document tokens")
+    p.add_argument("--sessions", type=int, default=32)
+    p.add_argument("--questions", type=int, default=5)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--replay-timeout", type=float, default=480)
+    p.add_argument("--port", type=int, default=30200)
+    p.add_argument("--name", default="bench_serving")
+    p.add_argument("server_extra", nargs="*", help="after --: more launch_server arguments for every server")
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    contexts = [(c.split("=")[0], int(c.split("=")[1])) for c in a.contexts]
+    runs = [run_one(spec, name, n, a) for name, n in contexts for spec in a.servers]
+    summary = []
+    for name, _ in contexts:
+        base = next((r for r in runs if r["context"] == name and r["server"].startswith("stock") and "summary" in r),
+                    None)
+        for r in runs:
+            if r["context"] != name or "summary" not in r:
+                continue
+            tput = r["summary"]["output_tokens_per_s"]
+            summary.append(summary_row(f"{r['label']} {name}: output tokens/s", round(tput, 1), "tok/s"))
+            if base is not None and r is not base:
+                ratio = tput / base["summary"]["output_tokens_per_s"]
+                target = throughput_target(r.get("target_ratio"), name)
+                summary.append(summary_row(f"{r['label']} {name}: throughput vs {base['label']}", round(ratio, 2),
+                                           "x", f">= {target}" if target else "report",
+                                           ratio >= target if target else None))
+                if r.get("sessions_in_memory") and base.get("sessions_in_memory"):
+                    summary.append(summary_row(f"{r['label']} {name}: sessions in KV memory vs {base['label']}",
+                                               round(r["sessions_in_memory"] / base["sessions_in_memory"], 2), "x",
+                                               "report"))
+    path = write_result(a.name, {"runs": runs, "args": {k: str(v) for k, v in vars(a).items()}}, summary,
+                        directory=a.out)
+    print(json.dumps(summary, indent=1))
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
