@@ -10,6 +10,7 @@
 #   exact1 / floor / exactfp32   budget 1.0 only; stock triton vs stock flashinfer; both in fp32
 #   smoke_eager   the smoke with decode CUDA graphs off
 #   bench1 / bench2   eval/bench_serving.py at long contexts: stock + r0.25; r1.0 + r0.5
+#   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -61,6 +62,11 @@ bench_runs() {
   timeout 560 python3 eval/bench_serving.py --model-path "$DUMMY" --out "$OUT" --name "$name" --servers "$@" \
     --contexts long=49152 --sessions 24 --concurrency 24 --questions 5 --max-tokens 64 --ignore-eos \
     --replay-timeout 200 -- --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
+}
+stage_soak() {
+  timeout 590 python3 eval/soak.py --model-path "$DUMMY" --out "$OUT" --minutes "${SOAK_MINUTES:-7}" \
+    --profile "$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json -- --load-format dummy \
+    --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
 }
 exact_runs() {
   (cd /tmp && python3 -c "from transformers import AutoConfig; from tangram_sgl.profile_builder import uniform_profile; \

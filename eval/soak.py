@@ -1,0 +1,161 @@
+"""GPU soak (issue 6): mixed multi-turn load at overload on a tangram server, invariants checked throughout.
+
+The server runs with ``TANGRAM_DEBUG_INVARIANTS=1`` (the pool/tree invariant checker after every cache
+operation: a leaked or doubly-owned page fails the operation) and a small ``--max-total-tokens`` so the
+load is about twice what fits. For ``--minutes``: replay waves of long-document and short multi-turn
+sessions (``tangram-sgl replay``), while a poller samples ``/metrics`` (tangram pages in use, kept bytes)
+every few seconds and a disconnector opens streaming requests and drops them mid-generation. At the end
+the tree is flushed (``/flush_cache``) and one request checks that the server still serves.
+
+Reported: turns served, errors (with examples), client disconnects, invariant violations and tracebacks
+in the server log, pages in use over time (plot), and whether the server still answered at the end.
+
+    python eval/soak.py --model-path DIR --profile P.json --out DIR --minutes 10 -- --load-format dummy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+from bench_serving import gauge
+from results_io import summary_row, write_result
+from server_proc import TEMPLATES, ServerProcess, server_args
+
+
+def poll_metrics(url: str, stop: threading.Event, samples: list[dict], every_s: float) -> None:
+    t0 = time.time()
+    while not stop.wait(every_s):
+        try:
+            text = requests.get(url + "/metrics", timeout=10).text
+        except requests.RequestException:
+            continue
+        pages = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("sglang:tangram_pages_in_use{"))
+        samples.append({"t_s": time.time() - t0, "pages_in_use": pages,
+                        "kept_bytes": gauge(text, "tangram_kv_kept_bytes"),
+                        "running": gauge(text, "num_running_reqs"), "queued": gauge(text, "num_queue_reqs")})
+
+
+def disconnect_clients(url: str, model: str, stop: threading.Event, counts: dict) -> None:
+    """Streaming chat requests dropped after a few chunks (a client going away mid-generation)."""
+    body = {"model": model, "stream": True, "max_tokens": 512, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "tell a long story about the harbour " * 50}]}
+    while not stop.wait(2.0):
+        try:
+            with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=30) as r:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i >= 5:
+                        break
+            counts["disconnects"] += 1
+        except requests.RequestException as e:
+            counts["disconnect_errors"] += 1
+            counts.setdefault("examples", []).append(str(e)[:200])
+
+
+def replay_wave(url: str, model: str, tokenizer: str, wave: int, a: argparse.Namespace) -> dict:
+    out = a.out / f"soak_wave{wave}.json"
+    long_wave = wave % 2 == 0
+    cmd = [sys.executable, "-m", "tangram_sgl.cli", "replay", "--endpoint", url + "/v1", "--model", model,
+           "--tokenizer", tokenizer, "--max-concurrency", str(a.concurrency), "--session-rate", "inf",
+           "--max-tokens", "48", "--ignore-eos", "--output", str(out), "--no-progress", "--seed", str(wave),
+           "--workload", "long", "--num-questions", "4",
+           "--doc-tokens", str(a.long_doc_tokens if long_wave else 512),
+           "--num-sessions", str(a.concurrency if long_wave else 2 * a.concurrency)]
+    subprocess.run(cmd, check=False, timeout=a.minutes * 60 + 300, cwd=a.out)
+    return json.loads(out.read_text())["summary"] if out.exists() else {"errors": -1, "turns": 0, "turns_ok": 0}
+
+
+def plot(samples: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([s["t_s"] for s in samples], [s["pages_in_use"] for s in samples], label="tangram pages in use")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("pages")
+    ax2 = ax.twinx()
+    ax2.plot([s["t_s"] for s in samples], [s["running"] or 0 for s in samples], color="tab:orange", alpha=0.6,
+             label="running requests")
+    ax2.set_ylabel("running requests")
+    ax.set_title("soak: pages in use under overload")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--profile", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--minutes", type=float, default=10)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--long-doc-tokens", type=int, default=8192)
+    p.add_argument("--max-total-tokens", type=int, default=40_000,
+                   help="pool size in full-KV tokens: about half the kept KV of a long wave at budget 0.25")
+    p.add_argument("--port", type=int, default=30300)
+    p.add_argument("server_extra", nargs="*", help="after --: more launch_server arguments")
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    os.environ["TANGRAM_DEBUG_INVARIANTS"] = "1"  # inherited by the server's scheduler process
+    args = server_args(a.model_path, profile=a.profile, chat_template=str(TEMPLATES / "plain-chat.jinja"),
+                       extra=["--max-total-tokens", str(a.max_total_tokens), "--decode-log-interval", "10",
+                              *a.server_extra])
+    server = ServerProcess(args, a.out / "server_soak.log", a.port)
+    samples: list[dict] = []
+    counts = {"disconnects": 0, "disconnect_errors": 0}
+    waves: list[dict] = []
+    data: dict = {"args": {k: str(v) for k, v in vars(a).items()}}
+    with server:
+        data["ready_s"] = server.wait_ready()
+        model = requests.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        stop = threading.Event()
+        threads = [threading.Thread(target=poll_metrics, args=(server.url, stop, samples, 3.0), daemon=True),
+                   threading.Thread(target=disconnect_clients, args=(server.url, model, stop, counts), daemon=True)]
+        for t in threads:
+            t.start()
+        t_end = time.time() + a.minutes * 60
+        while time.time() < t_end and server.proc.poll() is None:
+            waves.append(replay_wave(server.url, model, a.model_path, len(waves), a))
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        data["server_alive"] = server.proc.poll() is None
+        if data["server_alive"]:
+            data["flush"] = requests.post(server.url + "/flush_cache", timeout=60).status_code
+            r = requests.post(server.url + "/generate", json={"text": "still there ?", "sampling_params": {
+                "max_new_tokens": 8}}, timeout=120)
+            data["after_soak_request"] = r.status_code
+    log = server.log.read_text(errors="replace")
+    data["invariant_violations"] = log.count("InvariantViolation")
+    data["tracebacks"] = log.count("Traceback (most recent call last)")
+    data["waves"], data["disconnects"], data["samples"] = waves, counts, samples
+    turns = sum(w.get("turns_ok", 0) for w in waves)
+    errors = sum(max(w.get("errors", 0), 0) for w in waves)
+    plot(samples, a.out / "soak.png")
+    summary = [
+        summary_row("soak: turns served", turns, "turns"),
+        summary_row("soak: replay errors", errors, "", "0", errors == 0),
+        summary_row("soak: client disconnects mid-generation", counts["disconnects"], ""),
+        summary_row("soak: invariant violations + server tracebacks", data["invariant_violations"] + data["tracebacks"],
+                    "", "0", data["invariant_violations"] + data["tracebacks"] == 0),
+        summary_row("soak: server serves after the soak", float(data.get("after_soak_request") == 200), "", "1",
+                    data.get("after_soak_request") == 200),
+    ]
+    path = write_result("soak", data, summary, directory=a.out)
+    print(json.dumps(summary, indent=1))
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
