@@ -150,3 +150,21 @@ def test_pool_buffers_follow_the_layout_contract():
     mgr = toy_manager(num_pages=10)
     assert mgr.pool.k_buffer.shape == (10, 2, 4, D) == mgr.pool.v_buffer.shape
     assert mgr.pool.page_bytes() == 2 * 2 * 4 * D * 4
+
+
+def test_slot_list_cache_follows_every_growth():
+    """GroupSlots caches its whole slot tensor; growing the list (decode append, new page, segment append)
+    gives the new slots, never the stale tensor."""
+    from tangram_sgl.pool.segment import GroupSlots, Segment
+
+    gs = GroupSlots([5], 3)
+    assert gs.slots(4).tolist() == [20, 21, 22] and gs.slots(4) is gs.slots(4)
+    gs.length += 1
+    assert gs.slots(4).tolist() == [20, 21, 22, 23]
+    gs.pages.append(9)
+    gs.length += 1
+    assert gs.slots(4).tolist() == [20, 21, 22, 23, 36]
+    a = Segment(0, [1] * 4, True, [GroupSlots([2], 4)])
+    a.groups[0].slots(4)
+    a.append(Segment(4, [1] * 2, True, [GroupSlots([7], 2)]), 4)
+    assert a.groups[0].slots(4).tolist() == [8, 9, 10, 11, 28, 29]

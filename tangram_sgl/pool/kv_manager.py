@@ -337,15 +337,15 @@ class TangramKVManager:
         """CSR ``(kv_indptr [R*G+1], kv_indices)`` int32: slots of (request r, group g) at
         ``kv_indices[kv_indptr[r*G+g]:kv_indptr[r*G+g+1]]`` (committed tokens only; a segment being
         prefilled is read from its staging K/V)."""
-        parts = []
+        parts, lens = [], []
         for rid in rids:
             segs = self.request_segments(rid)
             for g in range(self.num_groups):
-                parts.append(torch.cat([s.groups[g].slots(self.page_size) for s in segs])
-                             if segs else torch.empty(0, dtype=torch.long))
-        lens = torch.tensor([len(p) for p in parts], dtype=torch.int32)
-        indptr = torch.zeros(len(parts) + 1, dtype=torch.int32)
-        indptr[1:] = torch.cumsum(lens, 0)
+                lists = [s.groups[g] for s in segs if s.groups[g].length]
+                parts += [gs.slots(self.page_size) for gs in lists]
+                lens.append(sum(gs.length for gs in lists))
+        indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
         indices = torch.cat(parts).to(torch.int32) if parts else torch.empty(0, dtype=torch.int32)
         return indptr, indices
 

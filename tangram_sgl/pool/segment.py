@@ -19,17 +19,31 @@ import torch
 
 @dataclass
 class GroupSlots:
-    """One (owner, group) slot list: ``length`` slots in use on ``pages`` (capacity ``len(pages)*page_size``)."""
+    """One (owner, group) slot list: ``length`` slots in use on ``pages`` (capacity ``len(pages)*page_size``).
+
+    Lists only grow (pages appended, ``length`` raised) or are replaced whole, so the slot tensor of the
+    whole list is cached under ``(length, len(pages), last page)``: every decode step re-reads the same
+    committed lists.
+    """
 
     pages: list[int] = field(default_factory=list)
     length: int = 0
+    _cached: tuple[tuple[int, int, int, int], torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     def slots(self, page_size: int, begin: int = 0, end: int | None = None) -> torch.Tensor:
         """int64 slot ids of slots ``[begin, end)`` (default: all in use)."""
+        whole = begin == 0 and end is None
+        if whole:
+            key = (self.length, len(self.pages), self.pages[-1] if self.pages else -1, page_size)
+            if self._cached is not None and self._cached[0] == key:
+                return self._cached[1]
         end = self.length if end is None else end
         j = torch.arange(begin, end, dtype=torch.long)
         pages = torch.tensor(self.pages, dtype=torch.long)
-        return pages[j // page_size] * page_size + j % page_size if len(j) else j
+        out = pages[j // page_size] * page_size + j % page_size if len(j) else j
+        if whole:
+            self._cached = (key, out)
+        return out
 
 
 @dataclass
