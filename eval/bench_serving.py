@@ -28,7 +28,7 @@ from pathlib import Path
 
 import requests
 from results_io import summary_row, write_result
-from server_proc import TEMPLATES, ServerProcess, server_args
+from server_proc import TEMPLATES, ServerProcess, parse_server_spec, server_args
 
 from tangram_sgl.profile import load_profile
 
@@ -68,14 +68,12 @@ def replay(url: str, model: str, tokenizer: str, doc_tokens: int, a: argparse.Na
 
 
 def run_one(spec: str, ctx_name: str, doc_tokens: int, a: argparse.Namespace) -> dict:
-    kind, _, arg = spec.partition(":")
-    label = f"stock_{arg}" if kind == "stock" else f"tangram_{Path(arg).stem}"
-    extra = (["--attention-backend", arg] if kind == "stock" else []) + list(a.server_extra)
-    args = server_args(a.model_path, profile=arg if kind == "tangram" else None, extra=extra,
+    label, profile, extra = parse_server_spec(spec)
+    args = server_args(a.model_path, profile=profile, extra=extra + list(a.server_extra),
                        chat_template=str(TEMPLATES / "plain-chat.jinja"))
     server = ServerProcess(args, a.out / f"server_bench_{label}_{ctx_name}.log", a.port)
     run: dict = {"server": spec, "label": label, "context": ctx_name, "doc_tokens": doc_tokens,
-                 "target_ratio": load_profile(arg).target_ratio if kind == "tangram" else None}
+                 "target_ratio": load_profile(profile).target_ratio if profile else None}
     with server:
         try:
             run["ready_s"] = server.wait_ready()
@@ -87,7 +85,7 @@ def run_one(spec: str, ctx_name: str, doc_tokens: int, a: argparse.Namespace) ->
             metrics = requests.get(server.url + "/metrics", timeout=30).text
             run["gpu_memory_used_mib"] = gpu_memory_used_mib()
             kept, full = gauge(metrics, "tangram_kv_kept_bytes"), gauge(metrics, "tangram_kv_full_bytes")
-            run["kept_fraction"] = kept / full if kept is not None and full else (1.0 if kind == "stock" else None)
+            run["kept_fraction"] = kept / full if kept is not None and full else (None if profile else 1.0)
         except Exception as e:  # noqa: BLE001 (recorded; the other runs still go)
             run["error"] = f"{type(e).__name__}: {e}"
     log = server.log.read_text(errors="replace")

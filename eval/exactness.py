@@ -20,7 +20,7 @@ from pathlib import Path
 
 import requests
 from results_io import summary_row, write_result
-from server_proc import ServerProcess, server_args
+from server_proc import ServerProcess, parse_server_spec, server_args
 
 CONVERSATIONS = Path(__file__).resolve().parent / "data" / "exactness_conversations.json"
 
@@ -90,10 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     convs = json.loads(CONVERSATIONS.read_text())["conversations"]
     runs: dict[str, dict] = {}
     for spec in a.runs:
-        kind, _, arg = spec.partition(":")
-        label = f"stock_{arg}" if kind == "stock" else f"tangram_{Path(arg).stem}"
-        extra = (["--attention-backend", arg] if kind == "stock" else []) + list(a.server_extra)
-        args = server_args(a.model_path, profile=arg if kind == "tangram" else None, extra=extra)
+        label, profile, extra = parse_server_spec(spec)
+        args = server_args(a.model_path, profile=profile, extra=extra + list(a.server_extra))
         server = ServerProcess(args, a.out / f"server_{a.name}_{label}.log", a.port)
         with server:
             try:

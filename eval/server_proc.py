@@ -91,3 +91,14 @@ def server_args(model_path: str, *, profile: str | None, extra: Sequence[str] = 
     if profile:
         args += ["--kv-policy", "tangram", "--tangram-profile", profile]
     return args + list(extra)
+
+
+def parse_server_spec(spec: str) -> tuple[str, str | None, list[str]]:
+    """(label, tangram profile or None, launch arguments) of ``stock:<attention backend>`` or
+    ``tangram:<profile.json>``, the server specs the eval scripts take."""
+    kind, _, arg = spec.partition(":")
+    if kind == "stock" and arg:
+        return f"stock_{arg}", None, ["--attention-backend", arg]
+    if kind == "tangram" and arg:
+        return f"tangram_{Path(arg).stem}", arg, []
+    raise ValueError(f"server spec {spec!r}: expected stock:<attention backend> or tangram:<profile.json>")

@@ -17,6 +17,11 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 R="$(pwd)"; OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 SMOL=/tmp/site/_models/smollm2-135m-instruct
 DUMMY=/tmp/site/_models/llama-3.1-8b-dummy
+# a profile of all budgets 1.0 for model directory $1, written to $2 (run outside the checkout)
+uniform_r1() {
+  (cd /tmp && python3 -c "import sys; from transformers import AutoConfig; from tangram_sgl.profile_builder import \
+uniform_profile; uniform_profile(AutoConfig.from_pretrained(sys.argv[1]), 1.0).save(sys.argv[2])" "$1" "$2")
+}
 stage_plugin() {
   python3 -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . 2>&1 | grep -v "already exists" | tail -2
   if [ -d .device-carry/wheels ]; then python3 -m pip install -q --no-deps --target /tmp/site .device-carry/wheels/*.whl 2>&1 | tail -2; fi
@@ -52,8 +57,7 @@ stage_smoke_eager() { SMOKE_LABEL=llama8b_dummy_r0.25_eager SMOKE_EXTRA="--cuda-
 # serving throughput, dummy Llama-3.1-8B (two calls: each server start costs ~2 min)
 stage_bench1() { bench_runs bench_serving_long_a stock:flashinfer tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
 stage_bench2() {
-  (cd /tmp && python3 -c "from transformers import AutoConfig; from tangram_sgl.profile_builder import uniform_profile; \
-uniform_profile(AutoConfig.from_pretrained('$DUMMY'), 1.0).save('/tmp/llama-3.1-8b.uniform.r1.0.json')")
+  uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   bench_runs bench_serving_long_b tangram:/tmp/llama-3.1-8b.uniform.r1.0.json \
     tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.5.json
 }
@@ -69,8 +73,7 @@ stage_soak() {
     --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
 }
 exact_runs() {
-  (cd /tmp && python3 -c "from transformers import AutoConfig; from tangram_sgl.profile_builder import uniform_profile; \
-uniform_profile(AutoConfig.from_pretrained('$SMOL'), 1.0).save('/tmp/smollm2.uniform.r1.0.json')")
+  uniform_r1 "$SMOL" /tmp/smollm2.uniform.r1.0.json
   timeout 500 python3 eval/exactness.py --model-path "$SMOL" --out "$OUT" --runs "$@" 2>&1 | tail -40
   for f in "$OUT"/server_exactness*tangram*.log; do echo "== $f"; grep -iE "error|tangram|Traceback" "$f" | tail -15; done
 }
