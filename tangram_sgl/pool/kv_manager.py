@@ -54,15 +54,19 @@ class RequestKV:
     def prefix_len(self) -> int:
         return self.node.end
 
-    def owned_pages(self) -> Iterable[int]:
+    def group_page_lists(self) -> Iterable[tuple[int, list[int]]]:
+        """(group, pages) of every page list the request owns: its segments, the segment being written,
+        its decoded tokens and its reserved decode pages (in that order)."""
         for seg in self.segments:
-            yield from seg.pages()
+            yield from enumerate(gs.pages for gs in seg.groups)
         if self.pending is not None:
-            for gs in self.pending.groups:
-                yield from gs.pages
+            yield from enumerate(gs.pages for gs in self.pending.groups)
         if self.decode is not None:
-            yield from self.decode.pages()
-        for pages in self.spare:
+            yield from enumerate(gs.pages for gs in self.decode.groups)
+        yield from enumerate(self.spare)
+
+    def owned_pages(self) -> Iterable[int]:
+        for _, pages in self.group_page_lists():
             yield from pages
 
 

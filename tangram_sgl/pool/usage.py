@@ -38,16 +38,11 @@ class KVUsage:
 
 
 def _group_page_lists(mgr: TangramKVManager) -> Iterator[tuple[int, list[int]]]:
-    """(group, pages) of every page list in use: tree segments, then each request's own segments, decode
-    tokens, segment being written and reserved decode pages."""
-    segments = [node.segment for node in mgr.tree.nodes()]
+    """(group, pages) of every page list in use: tree segments, then what each running request owns."""
+    for node in mgr.tree.nodes():
+        yield from enumerate(gs.pages for gs in node.segment.groups)
     for req in mgr.requests.values():
-        segments += req.segments + ([req.decode] if req.decode is not None else [])
-        if req.pending is not None:
-            yield from enumerate(gs.pages for gs in req.pending.groups)
-        yield from enumerate(req.spare)
-    for seg in segments:
-        yield from enumerate(gs.pages for gs in seg.groups)
+        yield from req.group_page_lists()
 
 
 def kv_usage(mgr: TangramKVManager) -> KVUsage:
