@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.testing
 from results_io import summary_row
-from tangram_sgl.kernels.decode import launch_order, paged_decode, paged_decode_torch
+from tangram_sgl.kernels.decode import csr_ranges, launch_order, paged_decode, paged_decode_torch
 from tangram_sgl.kernels.flashinfer_decode import (
     StoredPlanDecode,
     pool_as_single_head_pages,
@@ -176,9 +176,10 @@ def run_config(shape: Shape, profile: TangramProfile, batch: int, context: int, 
     splits_row = table.splits_for(batch)
     splits = torch.tensor(splits_row, dtype=torch.int32, device=dev)
     block_n, warps, stages = tune
+    starts, lens = csr_ranges(c.kv_indptr)
 
     def ours() -> torch.Tensor:
-        return paged_decode(q, c.k, c.v, c.kv_indptr, c.kv_indices, c.head_group, c.head_column, splits,
+        return paged_decode(q, c.k, c.v, starts, lens, c.kv_indices, c.head_group, c.head_column, splits,
                             head_order=c.head_order, max_splits=max(splits_row), min_split_tokens=table.min_split_tokens, sm_scale=scale,
                             block_n=block_n, num_warps=warps, num_stages=stages)
 
@@ -195,7 +196,7 @@ def run_config(shape: Shape, profile: TangramProfile, batch: int, context: int, 
     res["triton_roofline_frac"] = res["roofline_ms"] / res["triton_ms"]
     res["triton_host_plan_ms"] = 0.0
     if batch * context <= 4096:
-        ref = paged_decode_torch(q, c.k, c.v, c.kv_indptr, c.kv_indices, c.head_group, c.head_column, sm_scale=scale)
+        ref = paged_decode_torch(q, c.k, c.v, *csr_ranges(c.kv_indptr), c.kv_indices, c.head_group, c.head_column, sm_scale=scale)
         res["max_abs_err_vs_torch"] = float((out.float() - ref.float()).abs().max())
     if with_flashinfer:
         try:
@@ -246,7 +247,7 @@ def flashinfer_baselines(shape: Shape, c: Cache, q: torch.Tensor, out: torch.Ten
     stored.load_page_table(short_ip, short_pages, short_last)
     o_short = stored.run(q_rows, kp, vp).view_as(out)
     s_indptr, s_indices = shorten_slot_lists(c.kv_indptr, c.kv_indices)
-    o_short_ref = paged_decode(q, c.k, c.v, s_indptr, s_indices, c.head_group, c.head_column, splits,
+    o_short_ref = paged_decode(q, c.k, c.v, *csr_ranges(s_indptr), s_indices, c.head_group, c.head_column, splits,
                                max_splits=max(splits_row), min_split_tokens=table.min_split_tokens, sm_scale=scale)
     res["fi_stored_shorter_step_max_abs_diff"] = float((o_short.float() - o_short_ref.float()).abs().max())
     stored.load_page_table(rows_indptr, rows_pages, rows_last)

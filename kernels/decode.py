@@ -2,8 +2,10 @@
 
 Layout (the pool contract): ``k_buffer``/``v_buffer`` are ``[num_pages, H_p, page_size, D]``; a slot is
 ``page * page_size + offset``; for request r and group g the kept tokens are the slots
-``kv_indices[kv_indptr[r*G + g] : kv_indptr[r*G + g + 1]]`` and kv head h of the layer reads column
-``head_column[h]`` of group ``head_group[h]``.
+``kv_indices[kv_starts[r*G + g] : kv_starts[r*G + g] + kv_lens[r*G + g]]`` and kv head h of the layer reads
+column ``head_column[h]`` of group ``head_group[h]``. (start, length) ranges rather than a CSR indptr let the
+lists live in an arena with room to grow in place (``tangram_sgl.pool.device_slot_lists``); a CSR list is
+the special case ``csr_ranges(kv_indptr)``.
 
 Launch: grid ``(max_splits, B, Hkv)``; program (s, r, i) serves kv head ``h = head_order[i]``. Blocks are
 issued x-fastest, so with ``head_order`` listing the layer's kv heads by descending group budget
@@ -30,7 +32,7 @@ import triton.language as tl
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, O, MidO, MidLse,
-    KvIndptr, KvIndices, HeadGroup, HeadColumn, HeadOrder, Splits,
+    KvStarts, KvLens, KvIndices, HeadGroup, HeadColumn, HeadOrder, Splits,
     sm_scale, num_groups, min_split,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kp, stride_kc, stride_kt, stride_vp, stride_vc, stride_vt,
@@ -43,8 +45,8 @@ def _decode_split_kernel(
     num_kv_heads = tl.num_programs(2)
     g = tl.load(HeadGroup + h)
     c = tl.load(HeadColumn + h).to(tl.int64)
-    kv_start = tl.load(KvIndptr + r * num_groups + g)
-    n = tl.load(KvIndptr + r * num_groups + g + 1) - kv_start
+    kv_start = tl.load(KvStarts + r * num_groups + g).to(tl.int64)
+    n = tl.load(KvLens + r * num_groups + g)
     n_split = tl.minimum(tl.load(Splits + g), MAX_S)
     chunk = tl.maximum(min_split, tl.cdiv(n, n_split))
     lo = s * chunk
@@ -95,7 +97,7 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    O, MidO, MidLse, KvIndptr, HeadGroup, Splits,
+    O, MidO, MidLse, KvLens, HeadGroup, Splits,
     num_groups, min_split, stride_ob, stride_oh,
     GQ: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, MAX_S: tl.constexpr,
 ):
@@ -103,8 +105,7 @@ def _decode_merge_kernel(
     h = tl.program_id(1)
     num_kv_heads = tl.num_programs(1)
     g = tl.load(HeadGroup + h)
-    kv_start = tl.load(KvIndptr + r * num_groups + g)
-    n = tl.load(KvIndptr + r * num_groups + g + 1) - kv_start
+    n = tl.load(KvLens + r * num_groups + g)
     n_split = tl.minimum(tl.load(Splits + g), MAX_S)
     chunk = tl.maximum(min_split, tl.cdiv(n, n_split))
     num_chunks = tl.cdiv(n, chunk)
@@ -134,6 +135,18 @@ def launch_order(head_budget: Sequence[float]) -> list[int]:
     return sorted(range(len(head_budget)), key=lambda h: (-head_budget[h], h))
 
 
+def csr_ranges(kv_indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_starts, kv_lens) int32 of CSR lists ``kv_indptr`` ([N + 1] -> two [N])."""
+    return kv_indptr[:-1].int(), (kv_indptr[1:] - kv_indptr[:-1]).int()
+
+
+def _ranges_groups(kv_starts: torch.Tensor, kv_lens: torch.Tensor, batch: int) -> int:
+    if kv_starts.shape != kv_lens.shape or kv_starts.dim() != 1 or kv_starts.shape[0] % batch:
+        raise ValueError(f"kv_starts {tuple(kv_starts.shape)} / kv_lens {tuple(kv_lens.shape)} are not two [B*G] "
+                         f"vectors for B={batch}")
+    return kv_starts.shape[0] // batch
+
+
 def _block_h(gq: int) -> int:
     return max(16, triton.next_power_of_2(gq))
 
@@ -142,7 +155,8 @@ def paged_decode(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
-    kv_indptr: torch.Tensor,
+    kv_starts: torch.Tensor,
+    kv_lens: torch.Tensor,
     kv_indices: torch.Tensor,
     head_group: torch.Tensor,
     head_column: torch.Tensor,
@@ -158,8 +172,8 @@ def paged_decode(
 ) -> torch.Tensor:
     """Decode attention of one layer over the head-group page pool; returns ``[B, Hq, D]`` like ``q``.
 
-    q: [B, Hq, D]; k_buffer, v_buffer: [num_pages, H_p, page_size, D]; kv_indptr: int32 [B*G + 1];
-    kv_indices: int32 slots; head_group, head_column: int32 [Hkv] for this layer; splits: int32 [G], the
+    q: [B, Hq, D]; k_buffer, v_buffer: [num_pages, H_p, page_size, D]; kv_starts, kv_lens: int32 [B*G], the
+    (request, group) ranges of kv_indices (int32 slots); head_group, head_column: int32 [Hkv] for this layer; splits: int32 [G], the
     AOT split counts of the batch bucket; max_splits: the launch's split dimension (>= max(splits), a
     per-bucket constant); head_order: int32 [Hkv] permutation of the kv heads, the issue order (default
     0..Hkv-1; pass ``launch_order`` of the heads' group budgets). An empty (request, group) gives zeros.
@@ -172,9 +186,7 @@ def paged_decode(
         raise ValueError("min_split_tokens and max_splits must be >= 1")
     if k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("q, k_buffer and v_buffer must be contiguous along head_dim")
-    if (kv_indptr.shape[0] - 1) % B:
-        raise ValueError(f"kv_indptr has {kv_indptr.shape[0]} entries, not B*G+1 for B={B}")
-    num_groups = (kv_indptr.shape[0] - 1) // B
+    num_groups = _ranges_groups(kv_starts, kv_lens, B)
     gq = hq // hkv
     bh = _block_h(gq)
     page = k_buffer.shape[2]
@@ -185,7 +197,7 @@ def paged_decode(
         head_order = torch.arange(hkv, dtype=torch.int32, device=q.device)
     _decode_split_kernel[(max_splits, B, hkv)](
         q, k_buffer, v_buffer, out, mid_o, mid_lse,
-        kv_indptr, kv_indices, head_group, head_column, head_order, splits,
+        kv_starts, kv_lens, kv_indices, head_group, head_column, head_order, splits,
         sm_scale, num_groups, min_split_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), k_buffer.stride(2),
@@ -196,7 +208,7 @@ def paged_decode(
     if max_splits == 1:  # every (request, kv head) is one chunk, written directly
         return out
     _decode_merge_kernel[(B, hkv)](
-        out, mid_o, mid_lse, kv_indptr, head_group, splits,
+        out, mid_o, mid_lse, kv_lens, head_group, splits,
         num_groups, min_split_tokens, out.stride(0), out.stride(1),
         GQ=gq, BLOCK_H=bh, D=D, MAX_S=max_splits, num_warps=4,
     )
@@ -216,7 +228,8 @@ def paged_decode_torch(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
-    kv_indptr: torch.Tensor,
+    kv_starts: torch.Tensor,
+    kv_lens: torch.Tensor,
     kv_indices: torch.Tensor,
     head_group: torch.Tensor,
     head_column: torch.Tensor,
@@ -227,12 +240,13 @@ def paged_decode_torch(
     B, hq, D = q.shape
     hkv = head_group.shape[0]
     gq = hq // hkv
-    num_groups = (kv_indptr.shape[0] - 1) // B
+    num_groups = _ranges_groups(kv_starts, kv_lens, B)
     out = torch.zeros(B, hq, D, dtype=torch.float32, device=q.device)
     for r in range(B):
         for h in range(hkv):
             g, c = int(head_group[h]), int(head_column[h])
-            lo, hi = int(kv_indptr[r * num_groups + g]), int(kv_indptr[r * num_groups + g + 1])
+            lo = int(kv_starts[r * num_groups + g])
+            hi = lo + int(kv_lens[r * num_groups + g])
             if hi == lo:
                 continue
             slots = kv_indices[lo:hi]

@@ -2,7 +2,7 @@
 
 AFTER hook. Every ``--decode-log-interval`` decode steps, where SGLang logs its "Decode batch" line, a
 scheduler on the tangram radix cache logs a :class:`KVUsage` line (pages per head group in use, kept bytes
-vs full KV, prefix hit tokens) and, with ``--enable-metrics``, sets the ``sglang:tangram_*`` gauges that
+vs full KV, prefix hit tokens, slot-arena use) and, with ``--enable-metrics``, sets the ``sglang:tangram_*`` gauges that
 SGLang's ``/metrics`` endpoint serves (prometheus multiprocess mode, most recent value).
 """
 
@@ -34,6 +34,9 @@ def _gauges() -> dict[str, Any]:
             full=gauge("kv_full_bytes", "Bytes the same tokens would take in a full KV cache"),
             saved=gauge("kv_saved_bytes", "Full-KV bytes minus kept bytes"),
             hits=gauge("prefix_hit_tokens", "Tokens matched in the tangram radix tree at admission (cumulative)"),
+            arena=gauge("slot_arena_used_entries", "Device slot-list arena entries held by running requests"),
+            fallback=gauge("host_built_decode_steps", "Decode steps whose slot lists did not fit the device "
+                                                      "arena and were built on the host (cumulative)"),
         )
     return _GAUGES
 
@@ -47,6 +50,8 @@ def export(usage: KVUsage) -> None:
     g["full"].set(usage.full_kv_bytes)
     g["saved"].set(usage.saved_bytes)
     g["hits"].set(usage.prefix_hit_tokens)
+    g["arena"].set(usage.arena_used)
+    g["fallback"].set(usage.arena_fallback_steps)
 
 
 def report_decode_stats_after(result: Any, reporter: Any, *args: Any, **kwargs: Any) -> None:

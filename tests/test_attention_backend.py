@@ -118,12 +118,19 @@ def _decode_kv(kv: TangramKVManager, position: int) -> torch.Tensor:
     return k
 
 
+def _step_slots(step, row: int, g: int) -> torch.Tensor:
+    """The slots (row, group g) of a step attends to: a CSR list (extend) or an arena range (decode)."""
+    i = row * step.ctx.kv.num_groups + g
+    if step.decode_only:
+        lo = int(step.kv_starts[i])
+        return step.kv_indices[lo:lo + int(step.kv_lens[i])]
+    return step.kv_indices[int(step.kv_indptr[i]):int(step.kv_indptr[i + 1])]
+
+
 def _csr_positions(step, kv: TangramKVManager, row: int, layer: int, head: int) -> list[int]:
-    """Absolute positions (K[..., 0]) stored at the step's CSR slot list of (row, head's group), head's column."""
-    G = kv.num_groups
+    """Absolute positions (K[..., 0]) stored at the step's slot list of (row, head's group), head's column."""
     g, c = kv.layout.layers[layer].group[head], kv.layout.layers[layer].column[head]
-    lo, hi = int(step.kv_indptr[row * G + g]), int(step.kv_indptr[row * G + g + 1])
-    slots = step.kv_indices[lo:hi].long()
+    slots = _step_slots(step, row, g).long()
     ps = kv.page_size
     return kv.pool.k_buffer[slots // ps, c, slots % ps, 0].long().tolist()
 
@@ -181,10 +188,12 @@ def test_metadata_for_ragged_extend_decode_and_mixed_batches(page_size):
     backend.init_forward_metadata(forward_batch(ForwardMode.DECODE, [("c", 22, [9])]))
     step = backend.step
     assert step.decode_only and step.token_slots.shape == (1, G)
+    assert step.on_arena
     for g in range(G):
-        lo, hi = int(step.kv_indptr[g]), int(step.kv_indptr[g + 1])
-        assert hi - lo == kept_tokens(kv.layout.group_budget[g], 20, 0, sink, win) + 3
-        assert int(step.kv_indices[hi - 1]) == int(step.token_slots[0, g])
+        slots = _step_slots(step, 0, g)
+        assert len(slots) == kept_tokens(kv.layout.group_budget[g], 20, 0, sink, win) + 3
+        assert int(slots[-1]) == int(step.token_slots[0, g])
+        assert slots.tolist() == torch.cat([kv.request_lists("c")[g]]).tolist()
     assert step.splits.tolist() == list(profile.aot_split.splits_for(1))
     assert step.max_splits == max(profile.aot_split.splits_for(1))
     assert kv.requests["c"].token_ids[-1] == 9
@@ -274,7 +283,8 @@ class Harness:
 
     @staticmethod
     def _addresses(step) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for t in (step.token_slots, step.kv_indptr, step.kv_indices, step.splits))
+        return tuple(t.data_ptr() for t in (step.token_slots, step.kv_starts, step.kv_lens, step.kv_indices,
+                                            step.splits))
 
     def capture_graphs(self) -> None:
         """What SGLang's decode graph runner does at start: static state, then each bucket (largest first)
@@ -652,14 +662,14 @@ def test_decode_cuda_graph_path_matches_eager(budget):
     assert h.kv.free_pages() + h.kv.evictable_pages() == 399 and not h.kv.requests
 
 
-def test_graph_declines_a_step_beyond_its_buffers_and_eager_reuses_it():
-    """A decode step whose slot lists exceed the static capacity is declined by the can_run_graph hook; the
-    eager forward then runs that same prepared step (its decode slots are opened once)."""
+def test_graph_declines_a_step_beyond_the_arena_and_eager_reuses_it():
+    """A decode step whose slot lists do not fit the device arena is built on the host and declined by the
+    can_run_graph hook; the eager forward then runs that same prepared step (its decode slots opened once)."""
     model = tiny_llama(6)
     profile = uniform_profile(model.config, 1.0, page_size=4, heads_per_group=2, sink_tokens=2, recent_window=6)
-    h = Harness(model, profile, pages=200)
+    kv = TangramKVManager.from_profile(profile, 200, dtype=torch.float32, device=DEV, slot_arena_entries=8)
+    h = Harness(model, profile, pages=200, kv=kv)
     h.backend.init_cuda_graph_state(4, 4)
-    h.backend.graph.capacity = 8
     ids = list(range(1, 21))
     h.admit("A", ids, 4)
     nxt = h.step(ForwardMode.EXTEND, [("A", 0, ids)])

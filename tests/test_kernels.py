@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 from tangram_sgl.kernels.compaction import compact_kept_kv, compact_kept_kv_torch
-from tangram_sgl.kernels.decode import gather_head_kv, launch_order, paged_decode, paged_decode_torch
+from tangram_sgl.kernels.decode import csr_ranges, gather_head_kv, launch_order, paged_decode, paged_decode_torch
 from tangram_sgl.kernels.extend import extend_attention, extend_attention_torch
 from tangram_sgl.kernels.flashinfer_decode import (
     build_pseudo_page_table,
@@ -96,9 +96,9 @@ def test_paged_decode_matches_reference(gqa, hkv, page, splits, min_split, lengt
     q = torch.randn(len(lengths), gqa * hkv, D)
     scale = D**-0.5
     order = torch.tensor(launch_order([float(h % 3) for h in range(hkv)]), dtype=torch.int32)  # a permutation
-    out = paged_decode(q, k, v, indptr, indices, hg, hc, torch.tensor(splits, dtype=torch.int32), head_order=order,
-                       max_splits=max(splits), min_split_tokens=min_split, sm_scale=scale, block_n=16)
-    ref = paged_decode_torch(q, k, v, indptr, indices, hg, hc, sm_scale=scale)
+    out = paged_decode(q, k, v, *csr_ranges(indptr), indices, hg, hc, torch.tensor(splits, dtype=torch.int32),
+                       head_order=order, max_splits=max(splits), min_split_tokens=min_split, sm_scale=scale, block_n=16)
+    ref = paged_decode_torch(q, k, v, *csr_ranges(indptr), indices, hg, hc, sm_scale=scale)
     torch.testing.assert_close(out, ref, **F32_TOL)
     for r, row in enumerate(lengths):  # empty groups give zeros, others do not
         for h in range(hkv):
@@ -116,9 +116,9 @@ def test_paged_decode_half_precision():
     k, v, indptr, indices = make_pool(lengths, page_size=16, heads_per_group=4, head_dim=32, dtype=torch.float16)
     hg, hc = layer_map(4, 2, 4)
     q = torch.randn(2, 16, 32).half()
-    out = paged_decode(q, k, v, indptr, indices, hg, hc, torch.tensor([3, 1], dtype=torch.int32),
+    out = paged_decode(q, k, v, *csr_ranges(indptr), indices, hg, hc, torch.tensor([3, 1], dtype=torch.int32),
                        max_splits=3, min_split_tokens=16, sm_scale=0.2, block_n=16)
-    ref = paged_decode_torch(q, k, v, indptr, indices, hg, hc, sm_scale=0.2)
+    ref = paged_decode_torch(q, k, v, *csr_ranges(indptr), indices, hg, hc, sm_scale=0.2)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 

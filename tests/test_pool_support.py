@@ -28,8 +28,9 @@ def toy_profile(page_size: int = 4, heads_per_group: int = 2, sink: int = 2, win
                          alpha=0.0, **kw)
 
 
-def toy_manager(num_pages: int = 64, **kw) -> TangramKVManager:
-    return TangramKVManager.from_profile(toy_profile(**kw), num_pages, dtype=torch.float32)
+def toy_manager(num_pages: int = 64, slot_arena_entries: int | None = None, **kw) -> TangramKVManager:
+    return TangramKVManager.from_profile(toy_profile(**kw), num_pages, dtype=torch.float32,
+                                         slot_arena_entries=slot_arena_entries)
 
 
 def token_kv(token_ids: Sequence[int], start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,9 +67,17 @@ def prefill(mgr: TangramKVManager, rid, token_ids: Sequence[int], decode_tokens:
 
 
 def decode(mgr: TangramKVManager, rid, token_id: int, ref=None) -> None:
+    """Append one decoded token: odd ids as the CPU engine does (``append_decode``), even ids as the attention
+    backend's decode step does (slots opened, K/V written per layer, the device slot lists synced)."""
     toks = mgr.requests[rid].token_ids + [token_id]
     k, v = token_kv(toks, len(toks) - 1, 1)
-    mgr.append_decode(rid, token_id, k[:, :, 0], v[:, :, 0])
+    if token_id % 2:
+        mgr.append_decode(rid, token_id, k[:, :, 0], v[:, :, 0])
+    else:
+        slots = mgr.open_decode_slots([rid], [token_id])
+        for layer in range(L):
+            mgr.write_token_layer(slots, layer, k[layer, :, 0][None], v[layer, :, 0][None])
+        mgr.device_slot_ranges([rid], slots)
     if ref is not None:
         ref.add_decode(rid, token_id, k[:, :, 0], v[:, :, 0])
 

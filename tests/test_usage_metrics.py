@@ -53,10 +53,16 @@ def test_usage_matches_the_pool_and_counts_prefix_hits():
     assert u.kept_bytes == in_use * page_bytes
     assert u.full_kv_bytes == 40 * 2 * LAYERS * KV_HEADS * HEAD_DIM * 4
     assert 0 < u.kept_bytes < u.full_kv_bytes and u.saved_bytes == u.full_kv_bytes - u.kept_bytes
+    assert u.arena_used == 0 and u.arena_capacity == kv.device_lists.capacity
+    kv.device_slot_ranges(["A"], kv.open_decode_slots(["A"], [5]))  # a decode step mirrors A's lists
+    u = kv_usage(kv)
+    assert u.arena_used == kv.device_lists.mirrors["A"].size >= sum(len(x) for x in kv.request_lists("A"))
+    assert "slot arena" in u.log_line() and u.arena_fallback_steps == 0
     kv.finish("A")
+    assert kv_usage(kv).arena_used == 0
     _prefill(kv, "B", list(range(1, 41)) + [7] * 9, seed=1)
     u = kv_usage(kv)
-    assert u.prefix_hit_tokens == 40 and u.tokens == 49
+    assert u.prefix_hit_tokens == 40 and u.tokens == 41 + 9  # the tree: A + its decoded token; B: 9 new
     assert sum(u.pages_by_group) == kv.pool.allocator.usable_pages - kv.free_pages()
     assert "prefix hit tokens 40" in u.log_line()
 
@@ -74,6 +80,7 @@ def test_decode_stats_seam_logs_and_exports_the_figures(caplog):
     u = kv_usage(kv)
     assert f"sglang:tangram_kv_saved_bytes {float(u.saved_bytes)}" in text
     assert 'sglang:tangram_pages_in_use{group="0"}' in text
+    assert "sglang:tangram_slot_arena_used_entries" in text and "sglang:tangram_host_built_decode_steps" in text
     caplog.clear()
     reporter.forward_ct_decode = 81  # between log intervals: nothing
     with caplog.at_level(logging.INFO, logger="tangram_sgl.patches.metrics"):

@@ -7,7 +7,7 @@
 #   tests   tests/test_kernels.py + tests/test_attention_backend.py on CUDA (compiled Triton)
 #   smoke   eval/serve_smoke.py: dummy Llama-3.1-8B, synthetic r0.25 profile, OpenAI / native / frontend
 #   exact   eval/exactness.py: SmolLM2 greedy tokens, stock triton vs tangram at budgets 1.0 / 0.5 / 0.25
-#   exact1 / floor / exactfp32   budget 1.0 only; stock triton vs stock flashinfer; both in fp32
+#   exact1 / floor / exactfp32   budget 1.0 only; stock triton vs stock flashinfer; both in fp32 (page size 1)
 #   smoke_eager   the smoke with decode CUDA graphs off
 #   bench1 / bench2   eval/bench_serving.py at long contexts: stock + r0.25; r1.0 + r0.5
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
@@ -17,10 +17,11 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 R="$(pwd)"; OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 SMOL=/tmp/site/_models/smollm2-135m-instruct
 DUMMY=/tmp/site/_models/llama-3.1-8b-dummy
-# a profile of all budgets 1.0 for model directory $1, written to $2 (run outside the checkout)
+# a profile of all budgets 1.0 for model directory $1, written to $2, page size ${3:-16} (run outside the checkout)
 uniform_r1() {
   (cd /tmp && python3 -c "import sys; from transformers import AutoConfig; from tangram_sgl.profile_builder import \
-uniform_profile; uniform_profile(AutoConfig.from_pretrained(sys.argv[1]), 1.0).save(sys.argv[2])" "$1" "$2")
+uniform_profile; uniform_profile(AutoConfig.from_pretrained(sys.argv[1]), 1.0, page_size=int(sys.argv[3])).save(sys.argv[2])" \
+    "$1" "$2" "${3:-16}")
 }
 stage_plugin() {
   python3 -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . 2>&1 | grep -v "already exists" | tail -2
@@ -51,8 +52,9 @@ stage_exact() { exact_runs stock:triton tangram:/tmp/smollm2.uniform.r1.0.json \
 stage_exact1() { exact_runs stock:triton tangram:/tmp/smollm2.uniform.r1.0.json; }
 # the bf16 noise floor between two correct stock backends, and both paths in fp32
 stage_floor() { NAME=exactness_smollm2_floor exact_runs stock:triton stock:flashinfer; }
-stage_exactfp32() { NAME=exactness_smollm2_fp32 EXTRA="--dtype float32" exact_runs stock:triton \
-    tangram:/tmp/smollm2.uniform.r1.0.json; }
+# page size 1 here (the other stages serve page-16 profiles); fp32 tl.dot in IEEE precision, not TF32, in both
+stage_exactfp32() { uniform_r1 "$SMOL" /tmp/smollm2.uniform.r1.0.p1.json 1; TRITON_F32_DEFAULT=ieee \
+    NAME=exactness_smollm2_fp32 EXTRA="--dtype float32" exact_runs stock:triton tangram:/tmp/smollm2.uniform.r1.0.p1.json; }
 stage_smoke_eager() { SMOKE_LABEL=llama8b_dummy_r0.25_eager SMOKE_EXTRA="--cuda-graph-backend-decode disabled" stage_smoke; }
 # serving throughput, dummy Llama-3.1-8B (two calls: each server start costs ~2 min)
 stage_bench1() { bench_runs bench_serving_long_a stock:flashinfer tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
@@ -74,7 +76,8 @@ stage_soak() {
 }
 exact_runs() {
   uniform_r1 "$SMOL" /tmp/smollm2.uniform.r1.0.json
-  timeout 500 python3 eval/exactness.py --model-path "$SMOL" --out "$OUT" --runs "$@" 2>&1 | tail -40
+  timeout 500 python3 eval/exactness.py --model-path "$SMOL" --out "$OUT" --name "${NAME:-exactness_smollm2}" \
+    --runs "$@" -- ${EXTRA:-} 2>&1 | tail -40
   for f in "$OUT"/server_exactness*tangram*.log; do echo "== $f"; grep -iE "error|tangram|Traceback" "$f" | tail -15; done
 }
 for s in "$@"; do echo "=== stage $s $(date +%T)"; "stage_$s"; done

@@ -105,7 +105,7 @@ class TangramAttnBackend(AttentionBackend):
             self.step = self._host_step(forward_batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self.graph = DecodeGraphBuffers.for_pool(self.context, max_bs)
+        self.graph = DecodeGraphBuffers(self.context, max_bs)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1

@@ -9,6 +9,8 @@ Per layer (:meth:`ForwardStep.attend`):
 - **decode-only batch**: each token's K/V is written into the slot it got in every group
   (``open_decode_slots`` at step construction), then the split-KV paged decode kernel reads the
   (request, group) slot lists, the new token included, split by the AOT table row of the batch bucket.
+  The lists are the device-resident ones (``device_slot_ranges``: the new token appended in place), or,
+  when the arena cannot hold them, host-built CSR lists (logged).
 - **extend or mixed batch**: the extend kernel attends each row's new tokens over [its committed slot
   lists ; its own staging K/V, causal]; then each extend row's segment is scored (the profile's scorer on
   the segment's observation window; skipped when every group keeps the whole segment) and
@@ -20,6 +22,7 @@ After the last layer the caller runs :meth:`ForwardStep.commit` (extend rows' se
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -27,9 +30,11 @@ import torch
 
 from tangram_sgl.attention.kernel_set import KernelSet
 from tangram_sgl.attention.segment_scoring import PreRope, SegmentScorer
-from tangram_sgl.kernels.decode import launch_order
+from tangram_sgl.kernels.decode import csr_ranges, launch_order
 from tangram_sgl.pool.kv_manager import TangramKVManager
 from tangram_sgl.profile import AotSplitTable, TangramProfile
+
+logger = logging.getLogger(__name__)
 
 
 class StepError(RuntimeError):
@@ -90,13 +95,13 @@ class AttentionContext:
 
 
 def decode_attend(ctx: AttentionContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  token_slots: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, splits: torch.Tensor,
-                  max_splits: int) -> torch.Tensor:
+                  token_slots: torch.Tensor, kv_starts: torch.Tensor, kv_lens: torch.Tensor, kv_indices: torch.Tensor,
+                  splits: torch.Tensor, max_splits: int) -> torch.Tensor:
     """One decode layer: write each row's token K/V into its slots, then split-KV paged decode over the lists
     (which include those slots). Device work only, fixed shapes per batch size: CUDA-graph capturable."""
     pool = ctx.kv.pool
     ctx.kv.write_token_layer(token_slots, layer, k, v)
-    return ctx.kernels.decode(q, pool.k_buffer, pool.v_buffer, kv_indptr, kv_indices, ctx.head_group[layer],
+    return ctx.kernels.decode(q, pool.k_buffer, pool.v_buffer, kv_starts, kv_lens, kv_indices, ctx.head_group[layer],
                               ctx.head_column[layer], ctx.head_order[layer], splits, max_splits,
                               ctx.aot.min_split_tokens, scale)
 
@@ -118,15 +123,26 @@ class ForwardStep:
         self.decode_only = not self.extend_rows
         dev = kv.pool.device
         decode_rids = [self.rids[i] for i in decode_rows]
+        self.on_arena = False  # decode lists read from kv.device_lists.arena (else host-built CSR lists)
         if self.decode_only:  # the token's slots are part of the lists; its K/V is written before attention
             self.token_slots = kv.open_decode_slots(decode_rids, decode_token_ids).to(dev)
-            indptr, indices = kv.slot_lists(self.rids)
+            ranges = kv.device_slot_ranges(self.rids, self.token_slots)
+            if ranges is None:
+                kv.arena_fallback_steps += 1
+                if kv.arena_fallback_steps & (kv.arena_fallback_steps - 1) == 0:  # 1, 2, 4, ...: not every step
+                    logger.warning("tangram: the device slot-list arena (%d entries) cannot hold this decode "
+                                   "batch's lists; they are built on the host (slow path, %d steps so far)",
+                                   kv.device_lists.capacity, kv.arena_fallback_steps)
+                indptr, indices = kv.slot_lists(self.rids)
+                ranges, self.kv_indices = csr_ranges(indptr), indices.to(dev)
+            else:
+                self.on_arena, self.kv_indices = True, kv.device_lists.arena
+            self.kv_starts, self.kv_lens = (x.to(dev) for x in ranges)
             self.splits, self.max_splits = ctx.decode_splits(len(self.rows))
         else:  # committed tokens only; new tokens are read from staging
             indptr, indices = kv.slot_lists(self.rids)
             self.token_slots = kv.open_decode_slots(decode_rids, decode_token_ids).to(dev) if decode_rows else None
-        self.kv_indptr = indptr.to(dev)
-        self.kv_indices = indices.to(dev)
+            self.kv_indptr, self.kv_indices = indptr.to(dev), indices.to(dev)
         lens = torch.tensor([r.n for r in self.rows], dtype=torch.int32)
         offsets = torch.zeros(len(self.rows) + 1, dtype=torch.int32)
         offsets[1:] = torch.cumsum(lens, 0)
@@ -164,8 +180,8 @@ class ForwardStep:
         pool = kv.pool
         hg, hc = ctx.head_group[layer], ctx.head_column[layer]
         if self.decode_only:
-            return decode_attend(ctx, layer, q, k, v, scale, self.token_slots, self.kv_indptr, self.kv_indices,
-                                 self.splits, self.max_splits)
+            return decode_attend(ctx, layer, q, k, v, scale, self.token_slots, self.kv_starts, self.kv_lens,
+                                 self.kv_indices, self.splits, self.max_splits)
         out = ctx.kernels.extend(q, k, v, self.qo_indptr, self.max_new, pool.k_buffer, pool.v_buffer,
                                  self.kv_indptr, self.kv_indices, hg, hc, scale)
         for i in self.extend_rows:

@@ -46,15 +46,15 @@ class KernelSet:
         return extend_attention(q, k_new, v_new, qo_indptr, max_new, k_buffer, v_buffer, kv_indptr, kv_indices,
                                 head_group, head_column, sm_scale=sm_scale)
 
-    def decode(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
-               kv_indices: torch.Tensor, head_group: torch.Tensor, head_column: torch.Tensor, head_order: torch.Tensor,
+    def decode(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_starts: torch.Tensor,
+               kv_lens: torch.Tensor, kv_indices: torch.Tensor, head_group: torch.Tensor, head_column: torch.Tensor, head_order: torch.Tensor,
                splits: torch.Tensor, max_splits: int, min_split_tokens: int, sm_scale: float) -> torch.Tensor:
-        """One query token per request over its (request, group) slot list -> ``[B, Hq, D]`` (``head_order``:
+        """One query token per request over its (request, group) slot range -> ``[B, Hq, D]`` (``head_order``:
         the layer's kv heads longest-first, the Triton launch order)."""
         if self.name == "torch":
-            return paged_decode_torch(q, k_buffer, v_buffer, kv_indptr, kv_indices, head_group, head_column,
+            return paged_decode_torch(q, k_buffer, v_buffer, kv_starts, kv_lens, kv_indices, head_group, head_column,
                                       sm_scale=sm_scale)
-        return paged_decode(q, k_buffer, v_buffer, kv_indptr, kv_indices, head_group, head_column, splits,
+        return paged_decode(q, k_buffer, v_buffer, kv_starts, kv_lens, kv_indices, head_group, head_column, splits,
                             head_order=head_order, max_splits=max_splits, min_split_tokens=min_split_tokens,
                             sm_scale=sm_scale)
 

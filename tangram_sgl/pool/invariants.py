@@ -3,7 +3,9 @@
 Checked: every allocatable page is exactly one of free / owned by a tree node / owned by a running request
 (free + tree + requests = total, no page twice, page 0 never owned); every (owner, group) holds exactly
 ``pages_for(k_g)`` pages (no over-allocation); k_g follows the budget rule and kept positions are valid;
-tree structure (positions chain, child index, counters, lock counts) and request token bookkeeping.
+tree structure (positions chain, child index, counters, lock counts) and request token bookkeeping; the
+device slot-list mirrors (only of running requests, arena blocks disjoint and accounted; ``deep``: each
+mirror up to date with its request's lists holds a prefix of them).
 """
 
 from __future__ import annotations
@@ -45,6 +47,27 @@ def _check_segment(mgr: TangramKVManager, seg: Segment, owner: object, deep: boo
             _fail(f"{owner}: group {g} kept positions have shape {tuple(kept.shape)}")
         if kept.numel() and (kept.min() < 0 or kept.max() >= seg.n or (kept[:, 1:] <= kept[:, :-1]).any()):
             _fail(f"{owner}: group {g} kept positions are not ascending positions inside the segment")
+
+
+def _check_device_lists(mgr: TangramKVManager, deep: bool) -> None:
+    dl = mgr.device_lists
+    stray = [rid for rid in dl.mirrors if rid not in mgr.requests]
+    if stray:
+        _fail(f"device slot lists of requests that are not running (leaked arena blocks): {stray[:4]!r}")
+    blocks = sorted((m.block, m.size) for m in dl.mirrors.values() if m.size)
+    if any(a + n > b for (a, n), (b, _) in zip(blocks, blocks[1:])):
+        _fail("two requests' arena blocks overlap")
+    if sum(n for _, n in blocks) + dl.ranges.free_total != dl.capacity:
+        _fail(f"arena: {sum(n for _, n in blocks)} entries in blocks + {dl.ranges.free_total} free != "
+              f"{dl.capacity}")
+    for rid, m in dl.mirrors.items():
+        req = mgr.requests[rid]
+        if any(n > c for n, c in zip(m.lens, m.caps)) or m.tokens > len(req.token_ids):
+            _fail(f"request {rid!r}: device lists {m.lens} beyond their regions {m.caps} or its tokens")
+        if deep and m.version == req.version:
+            for g, host in enumerate(mgr.request_lists(rid)):
+                if dl.read(rid, g).tolist() != host[:m.lens[g]].tolist():
+                    _fail(f"request {rid!r}: device slot list of group {g} differs from its host list")
 
 
 def check_invariants(mgr: TangramKVManager, deep: bool = True) -> None:
@@ -125,3 +148,4 @@ def check_invariants(mgr: TangramKVManager, deep: bool = True) -> None:
         _fail("the null page 0 was written")
     if len(all_pages) != alloc.usable_pages:
         _fail(f"free + tree + requests = {len(all_pages)} pages, pool has {alloc.usable_pages}")
+    _check_device_lists(mgr, deep)

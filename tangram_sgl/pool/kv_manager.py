@@ -6,7 +6,9 @@ segment and its decode growth; evicts unlocked tree nodes if needed, else :class
 ``commit_segment`` -> ``append_decode`` per generated token (or ``open_decode_slots`` + ``write_token_layer``
 per layer, as the attention backend does) -> ``finish`` (segments go into the tree) or
 ``abort`` (retract: everything the request owns is freed). ``checkpoint`` publishes committed segments at
-a chunk boundary. ``slot_lists`` gives attention kernels the per-(request, group) CSR slot lists.
+a chunk boundary. ``slot_lists`` gives attention kernels the per-(request, group) CSR slot lists;
+``device_slot_ranges`` gives a decode step the same lists kept on the device and appended in place
+(:mod:`tangram_sgl.pool.device_slot_lists`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from tangram_sgl.budget import pages_for
 from tangram_sgl.layout import HeadGroupLayout
+from tangram_sgl.pool.device_slot_lists import DeviceSlotLists
 from tangram_sgl.pool.group_page_pool import GroupPagePool
 from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, segment_kept_counts
 from tangram_sgl.pool.segment import GroupSlots, Segment
@@ -49,6 +52,7 @@ class RequestKV:
     pending: PendingSegment | None = None
     decode: Segment | None = None
     spare: list[list[int]] = field(default_factory=list)  # reserved decode pages per group, not yet used
+    version: int = 0  # bumped whenever the slot lists change other than by appending decoded tokens
 
     @property
     def prefix_len(self) -> int:
@@ -83,7 +87,9 @@ class TangramKVManager:
         recent_window: int,
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
+        slot_arena_entries: int | None = None,
     ):
+        """``slot_arena_entries``: size of the device slot-list arena (default: twice the pool's slots)."""
         self.layout = layout
         self.page_size = layout.page_size
         self.num_groups = layout.num_groups
@@ -94,6 +100,9 @@ class TangramKVManager:
         self.requests: dict[Hashable, RequestKV] = {}
         self.external_locks: Counter[SegmentNode] = Counter()
         self.prefix_hit_tokens = 0  # cumulative tokens matched in the tree by admit / attach
+        arena = 2 * num_pages * layout.page_size if slot_arena_entries is None else slot_arena_entries
+        self.device_lists = DeviceSlotLists(arena, layout.num_groups, self.pool.device)
+        self.arena_fallback_steps = 0  # decode steps whose lists did not fit the arena (built on the host)
         # on the pool's device: write_token_layer is pure device work (CUDA-graph capturable)
         self._head_group = layout.head_group_tensor(self.pool.device).long()
         self._head_column = layout.head_column_tensor(self.pool.device).long()
@@ -101,10 +110,11 @@ class TangramKVManager:
     @classmethod
     def from_profile(cls, profile: TangramProfile, num_pages: int, *, page_size: int | None = None,
                      head_dim: int | None = None, dtype: torch.dtype = torch.float16,
-                     device: torch.device | str = "cpu") -> TangramKVManager:
+                     device: torch.device | str = "cpu", slot_arena_entries: int | None = None) -> TangramKVManager:
         layout = HeadGroupLayout.from_profile(profile, page_size)
         return cls(layout, num_pages, head_dim or profile.model.head_dim, sink_tokens=profile.sink_tokens,
-                   recent_window=profile.recent_window, dtype=dtype, device=device)
+                   recent_window=profile.recent_window, dtype=dtype, device=device,
+                   slot_arena_entries=slot_arena_entries)
 
     # ------------------------------------------------------------------ accounting (pages)
     def free_pages(self) -> int:
@@ -267,6 +277,7 @@ class TangramKVManager:
         seg = req.pending.to_segment(self.layout.num_layers)
         req.segments.append(seg)
         req.pending = None
+        req.version += 1
         return seg
 
     def commit_if_written(self, rid: Hashable) -> bool:
@@ -337,21 +348,55 @@ class TangramKVManager:
         segs = [n.segment for n in SegmentTree.path(req.node)] + req.segments
         return segs + ([req.decode] if req.decode is not None and req.decode.n else [])
 
+    def request_lists(self, rid: Hashable) -> list[torch.Tensor]:
+        """int64 slots of each group's list of ``rid`` (committed tokens only; a segment being prefilled is
+        read from its staging K/V)."""
+        segs = self.request_segments(rid)
+        out = []
+        for g in range(self.num_groups):
+            parts = [s.groups[g].slots(self.page_size) for s in segs if s.groups[g].length]
+            out.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.long))
+        return out
+
     def slot_lists(self, rids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
         """CSR ``(kv_indptr [R*G+1], kv_indices)`` int32: slots of (request r, group g) at
-        ``kv_indices[kv_indptr[r*G+g]:kv_indptr[r*G+g+1]]`` (committed tokens only; a segment being
-        prefilled is read from its staging K/V)."""
-        parts, lens = [], []
-        for rid in rids:
-            segs = self.request_segments(rid)
-            for g in range(self.num_groups):
-                lists = [s.groups[g] for s in segs if s.groups[g].length]
-                parts += [gs.slots(self.page_size) for gs in lists]
-                lens.append(sum(gs.length for gs in lists))
-        indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+        ``kv_indices[kv_indptr[r*G+g]:kv_indptr[r*G+g+1]]`` (the :meth:`request_lists`)."""
+        parts = [x for rid in rids for x in self.request_lists(rid)]
+        indptr = torch.zeros(len(parts) + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(torch.tensor([len(x) for x in parts], dtype=torch.int32), 0)
         indices = torch.cat(parts).to(torch.int32) if parts else torch.empty(0, dtype=torch.int32)
         return indptr, indices
+
+    def _decode_room(self, req: RequestKV) -> list[int]:
+        """Per group: the decode slots already reserved for ``req`` (spare pages, rest of its decode page),
+        plus one page."""
+        return [(len(sp) + 1) * self.page_size + len(gs.pages) * self.page_size - gs.length
+                for sp, gs in zip(req.spare, self._decode_groups(req))]
+
+    def device_slot_ranges(self, rids: Sequence[Hashable],
+                           token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """After :meth:`open_decode_slots` of ``rids`` (``token_slots``: its ``[R, G]`` slots, on the pool's
+        device): host int32 ``(starts [R*G], lens [R*G])`` of their lists in ``device_lists.arena``. A row
+        whose mirror only lacks this token gets it appended on the device; others are uploaded whole. None
+        when the arena cannot hold the batch's lists (the caller then uses :meth:`slot_lists`)."""
+        dl = self.device_lists
+        reqs = [self.requests[rid] for rid in rids]
+        for _ in range(2):  # an upload may clear a fragmented arena: a second pass restores the lost rows
+            for req in reqs:
+                n = len(req.token_ids)
+                if dl.current(req.rid, req.version, n) or (
+                        dl.current(req.rid, req.version, n - 1) and dl.can_append(req.rid)):
+                    continue
+                if not dl.upload(req.rid, self.request_lists(req.rid), self._decode_room(req), req.version, n):
+                    return None
+            if all(req.rid in dl.mirrors for req in reqs):
+                break
+        else:
+            return None
+        fast = [r for r, req in enumerate(reqs) if dl.mirrors[req.rid].tokens == len(req.token_ids) - 1]
+        if fast:
+            dl.append([rids[r] for r in fast], token_slots[fast])
+        return dl.ranges_of(rids)
 
     def gather(self, rid: Hashable, layer: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(K ``[T, D]``, V ``[T, D]``, absolute positions ``[T]``) that (layer, kv head) of ``rid`` sees
@@ -394,6 +439,7 @@ class TangramKVManager:
         self.tree.lock(node)
         self.tree.unlock(req.node)
         req.node = node
+        req.version += 1  # deduplicated tokens now read the tree's copy: other slots
         return PrefixMatch(node, node.end)
 
     def finish(self, rid: Hashable) -> PrefixMatch:
@@ -405,6 +451,7 @@ class TangramKVManager:
         self.tree.unlock(req.node)
         self.pool.allocator.free(p for pages in req.spare for p in pages)
         del self.requests[rid]
+        self.device_lists.drop(rid)
         return PrefixMatch(node, node.end)
 
     def abort(self, rid: Hashable) -> None:
@@ -412,3 +459,4 @@ class TangramKVManager:
         req = self.requests.pop(rid)
         self.pool.allocator.free(list(req.owned_pages()))
         self.tree.unlock(req.node)
+        self.device_lists.drop(rid)

@@ -2,7 +2,8 @@
 
 :func:`kv_usage` walks the radix tree's segments and the running requests' own pages once; the figures:
 pages in use per head group, the bytes of those pages, the bytes the same tokens would take as SGLang's
-full KV cache (every head keeps every token), and the tokens served from the tree at admission so far.
+full KV cache (every head keeps every token), the tokens served from the tree at admission so far, and
+the device slot-list arena (entries in use, decode steps that did not fit it and were built on the host).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ class KVUsage:
     kept_bytes: int  # bytes of the pages in use (K and V)
     full_kv_bytes: int  # the same tokens in a full KV cache (K and V, every layer and kv head)
     prefix_hit_tokens: int  # cumulative tokens matched in the tree when requests started
+    arena_used: int  # device slot-list arena entries held by running requests' mirrors
+    arena_capacity: int
+    arena_fallback_steps: int  # cumulative decode steps whose lists were built on the host (arena full)
 
     @property
     def saved_bytes(self) -> int:
@@ -34,7 +38,8 @@ class KVUsage:
         return (f"tangram KV: {self.tokens} tokens in {sum(p)} pages (per group min/mean/max "
                 f"{min(p)}/{sum(p) / len(p):.1f}/{max(p)}, {self.free_pages} free), kept {self.kept_bytes / 2**30:.3f} "
                 f"GiB = {ratio:.2f}x full KV (saved {self.saved_bytes / 2**30:.3f} GiB), prefix hit tokens "
-                f"{self.prefix_hit_tokens}")
+                f"{self.prefix_hit_tokens}, slot arena {self.arena_used}/{self.arena_capacity} "
+                f"({self.arena_fallback_steps} host-built decode steps)")
 
 
 def _group_page_lists(mgr: TangramKVManager) -> Iterator[tuple[int, list[int]]]:
@@ -56,5 +61,6 @@ def kv_usage(mgr: TangramKVManager) -> KVUsage:
     page_bytes = 2 * k[0].numel() * k.element_size()
     lay = mgr.layout
     token_bytes = 2 * lay.num_layers * lay.num_kv_heads * k.shape[-1] * k.element_size()
+    dl = mgr.device_lists
     return KVUsage(tuple(by_group), mgr.free_pages(), tokens, sum(by_group) * page_bytes, tokens * token_bytes,
-                   mgr.prefix_hit_tokens)
+                   mgr.prefix_hit_tokens, dl.capacity - dl.ranges.free_total, dl.capacity, mgr.arena_fallback_steps)

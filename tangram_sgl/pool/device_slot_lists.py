@@ -1,0 +1,164 @@
+"""GPU-resident slot lists of running requests, appended in place: what decode attention reads.
+
+Rebuilding every (request, group) slot list on the host and copying it to the device each decode step costs
+O(kept tokens of the batch) (millions of entries at long contexts). Instead, each mirrored request owns
+one block of a fixed int32 ``arena`` (allocated once, so CUDA graphs can read it at a fixed address),
+holding one region per group: ``[start_g, start_g + cap_g)``, of which the first ``len_g`` entries equal the
+host list. A request's lists only ever grow at their end, so a decode step is O(requests x groups) of host
+work: the new token's slot per group is scattered on the device at ``start_g + len_g`` and ``len_g`` rises.
+
+A request is (re)uploaded whole (:meth:`DeviceSlotLists.upload`) when it is new, when its lists changed in
+another way since the last sync (a committed segment, a checkpoint that deduplicated tree pages, decode
+tokens appended by a mixed batch), or when a region is full. ``cap_g`` leaves room for the decode tokens
+already reserved for it plus one page. When the arena has no room even after it is cleared (every mirror is
+rebuilt on demand), :meth:`upload` returns False and the caller falls back to host-built lists for that
+step (logged: a slow path, not a silent one).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class RangeAllocator:
+    """First-fit allocation of integer ranges in ``[0, capacity)``; freed ranges merge with neighbours."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._starts: list[int] = []  # free ranges [start, end), sorted by start
+        self._ends: list[int] = []
+        self.reset()
+
+    @property
+    def free_total(self) -> int:
+        return sum(e - s for s, e in zip(self._starts, self._ends))
+
+    def alloc(self, n: int) -> int | None:
+        """Start of a free range of ``n`` (> 0) entries, or None when no free range is that long."""
+        for i, (s, e) in enumerate(zip(self._starts, self._ends)):
+            if e - s >= n:
+                if e - s == n:
+                    del self._starts[i], self._ends[i]
+                else:
+                    self._starts[i] = s + n
+                return s
+        return None
+
+    def free(self, start: int, n: int) -> None:
+        end = start + n
+        i = bisect.bisect_left(self._starts, start)
+        if (i < len(self._starts) and self._starts[i] < end) or (i and self._ends[i - 1] > start):
+            raise RuntimeError(f"range [{start}, {end}) freed twice or never allocated")
+        if i and self._ends[i - 1] == start:  # merge with the left neighbour
+            i -= 1
+            self._ends[i] = end
+        else:
+            self._starts.insert(i, start)
+            self._ends.insert(i, end)
+        if i + 1 < len(self._starts) and self._starts[i + 1] == end:  # and with the right one
+            self._ends[i] = self._ends[i + 1]
+            del self._starts[i + 1], self._ends[i + 1]
+
+    def reset(self) -> None:
+        """Everything free again."""
+        self._starts, self._ends = ([0], [self.capacity]) if self.capacity else ([], [])
+
+
+@dataclass
+class SlotMirror:
+    """One request's block of the arena: per group a region start, capacity and mirrored length; ``version``
+    and ``tokens``: the request's list version and token count when the mirror was last synced."""
+
+    block: int
+    size: int
+    starts: list[int]
+    caps: list[int]
+    lens: list[int]
+    version: int
+    tokens: int
+
+
+class DeviceSlotLists:
+    """The arena and the mirrors of running requests (see module docstring)."""
+
+    def __init__(self, capacity: int, num_groups: int, device: torch.device | str):
+        self.num_groups = num_groups
+        self.arena = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self.ranges = RangeAllocator(capacity)
+        self.mirrors: dict[Hashable, SlotMirror] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.arena.numel()
+
+    def current(self, rid: Hashable, version: int, tokens: int) -> bool:
+        """Whether ``rid``'s mirror is synced to list version ``version`` at ``tokens`` tokens."""
+        m = self.mirrors.get(rid)
+        return m is not None and m.version == version and m.tokens == tokens
+
+    def can_append(self, rid: Hashable) -> bool:
+        """Whether every region of ``rid`` has room for one more entry."""
+        m = self.mirrors[rid]
+        return all(n < c for n, c in zip(m.lens, m.caps))
+
+    def upload(self, rid: Hashable, lists: Sequence[torch.Tensor], room: Sequence[int], version: int,
+               tokens: int) -> bool:
+        """Mirror ``rid``'s whole lists (host int slot tensors, one per group) with ``room[g]`` spare entries
+        per group. False when the arena cannot hold them even after clearing every mirror."""
+        self.drop(rid)
+        caps = [len(x) + r for x, r in zip(lists, room)]
+        size = sum(caps)
+        block = self.ranges.alloc(size) if size else 0
+        if block is None and self.ranges.free_total >= size:  # fragmented: rebuild every mirror on demand
+            self.clear()
+            block = self.ranges.alloc(size)
+        if block is None:
+            return False
+        starts = [block + sum(caps[:g]) for g in range(self.num_groups)]
+        if size:  # the block in one host-to-device copy
+            data = torch.zeros(size, dtype=torch.int32)
+            for s, x in zip(starts, lists):
+                data[s - block: s - block + len(x)] = torch.as_tensor(x)
+            self.arena[block: block + size].copy_(data)
+        self.mirrors[rid] = SlotMirror(block, size, starts, caps, [len(x) for x in lists], version, tokens)
+        return True
+
+    def append(self, rids: Sequence[Hashable], token_slots: torch.Tensor) -> None:
+        """Append row r's slot ``token_slots[r, g]`` (device ``[R, G]``) to each group's list of ``rids[r]``
+        (every region must have room: :meth:`can_append`)."""
+        pos = []
+        for rid in rids:
+            m = self.mirrors[rid]
+            pos += [s + n for s, n in zip(m.starts, m.lens)]
+            m.lens = [n + 1 for n in m.lens]
+            m.tokens += 1
+        idx = torch.tensor(pos, dtype=torch.long).to(self.arena.device, non_blocking=True)
+        self.arena[idx] = token_slots.reshape(-1).to(torch.int32)
+
+    def ranges_of(self, rids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host int32 ``(starts [R*G], lens [R*G])`` of the mirrored lists of ``rids``, row-major."""
+        starts, lens = [], []
+        for rid in rids:
+            m = self.mirrors[rid]
+            starts += m.starts
+            lens += m.lens
+        return torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+    def read(self, rid: Hashable, g: int) -> torch.Tensor:
+        """Host copy of ``rid``'s mirrored list of group ``g`` (for the invariant checker)."""
+        m = self.mirrors[rid]
+        return self.arena[m.starts[g]: m.starts[g] + m.lens[g]].cpu()
+
+    def drop(self, rid: Hashable) -> None:
+        """Forget ``rid``'s mirror and free its block (no-op when it has none)."""
+        m = self.mirrors.pop(rid, None)
+        if m is not None and m.size:
+            self.ranges.free(m.block, m.size)
+
+    def clear(self) -> None:
+        self.mirrors.clear()
+        self.ranges.reset()

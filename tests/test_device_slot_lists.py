@@ -1,0 +1,147 @@
+"""Device-resident slot lists (``tangram_sgl.pool.device_slot_lists``): the arena allocator, and decode steps
+whose lists are appended in place equal to the host-built lists through commits, checkpoints, retraction,
+a fragmented arena (cleared and rebuilt) and an arena too small (the caller's host fallback)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_pool_support import L, decode, prefill, token_kv, toy_manager
+
+from tangram_sgl.pool.device_slot_lists import RangeAllocator
+from tangram_sgl.pool.invariants import check_invariants
+
+
+def test_range_allocator_first_fit_merge_and_double_free():
+    a = RangeAllocator(100)
+    x, y, z = a.alloc(30), a.alloc(30), a.alloc(30)
+    assert (x, y, z) == (0, 30, 60) and a.alloc(20) is None and a.free_total == 10
+    a.free(y, 30)
+    assert a.alloc(31) is None and a.alloc(25) == 30  # first fit inside the hole
+    a.free(30, 25)
+    a.free(x, 30)  # merges with the hole on its right
+    assert a.alloc(60) == 0
+    with pytest.raises(RuntimeError, match="freed twice"):
+        a.free(60, 30) or a.free(60, 30)
+    a.free(0, 60)
+    assert a.free_total == 100 and a.alloc(100) == 0
+
+
+def _decode_step(mgr, rids, rng):
+    """One batched decode step as the attention backend runs it; returns the device ranges (or None)."""
+    ids = [2 * rng.randrange(1, 25) for _ in rids]
+    slots = mgr.open_decode_slots(rids, ids)
+    for r, rid in enumerate(rids):
+        toks = mgr.requests[rid].token_ids
+        k, v = token_kv(toks, len(toks) - 1, 1)
+        for layer in range(L):
+            mgr.write_token_layer(slots[r:r + 1], layer, k[layer, :, 0][None], v[layer, :, 0][None])
+    return mgr.device_slot_ranges(rids, slots)
+
+
+def _assert_ranges_are_the_lists(mgr, rids, ranges):
+    starts, lens = ranges
+    G = mgr.num_groups
+    for r, rid in enumerate(rids):
+        for g, host in enumerate(mgr.request_lists(rid)):
+            lo, n = int(starts[r * G + g]), int(lens[r * G + g])
+            assert mgr.device_lists.arena[lo:lo + n].tolist() == host.tolist()
+
+
+@pytest.mark.parametrize("arena,seed", [(None, 0), (None, 1), (300, 2), (120, 3)])
+def test_decode_steps_read_the_host_lists(arena, seed):
+    rng = random.Random(seed)
+    mgr = toy_manager(3000, slot_arena_entries=arena)
+    uploads = []
+    upload = mgr.device_lists.upload
+    mgr.device_lists.upload = lambda rid, *a: uploads.append(rid) or upload(rid, *a)
+    active: dict[int, list[int]] = {}
+    fallbacks = steps = 0
+    for turn in range(60):
+        if len(active) < 4 or rng.random() < 0.15:  # a new request, often a later turn of an earlier one
+            rid = turn
+            base = rng.choice(list(active.values())) if active and rng.random() < 0.5 else []
+            toks = base + [rng.randrange(1, 50) for _ in range(rng.randrange(5, 30))]
+            m = mgr.admit(rid, toks, max_prefix_len=len(toks) - 1)
+            prefill(mgr, rid, toks[m.length:], decode_tokens=rng.choice([0, 4]))
+            active[rid] = toks
+        roll = rng.random()
+        if roll < 0.1:  # retraction or finish frees the request's arena block
+            rid = rng.choice(list(active))
+            mgr.abort(rid) if roll < 0.05 else mgr.finish(rid)
+            del active[rid]
+            assert rid not in mgr.device_lists.mirrors
+        elif roll < 0.2:  # a chunk checkpoint or an odd (engine-path) decode: the lists change off the fast path
+            rid = rng.choice(list(active))
+            if roll < 0.15:
+                prefill(mgr, rid, [rng.randrange(1, 50) for _ in range(rng.randrange(1, 9))])
+                mgr.checkpoint(rid)
+            else:
+                decode(mgr, rid, 2 * rng.randrange(1, 25) + 1)
+        rids = rng.sample(list(active), rng.randrange(1, len(active) + 1))
+        ranges = _decode_step(mgr, rids, rng)
+        steps += 1
+        if ranges is None:
+            fallbacks += 1
+        else:
+            _assert_ranges_are_the_lists(mgr, rids, ranges)
+        check_invariants(mgr)
+    if arena is None:  # roomy arena: most rows take the in-place append, none falls back
+        assert fallbacks == 0 and len(uploads) < steps
+    if arena == 120:  # too small for some batches: the caller is told (host lists), never given wrong ones
+        assert fallbacks > 0
+    for rid in list(active):
+        mgr.finish(rid)
+    assert not mgr.device_lists.mirrors and mgr.device_lists.ranges.free_total == mgr.device_lists.capacity
+
+
+def _four_requests(arena):
+    mgr = toy_manager(300, slot_arena_entries=arena)
+    rng = random.Random(5)
+    for rid in range(4):
+        toks = [rng.randrange(1, 50) for _ in range(20)]
+        mgr.admit(rid, toks)
+        prefill(mgr, rid, toks, decode_tokens=8)
+    assert _decode_step(mgr, [0, 1, 2, 3], rng) is not None
+    return mgr, rng
+
+
+def test_fragmented_arena_is_cleared_and_rebuilt():
+    """Free space split into holes too small for a block: the arena is cleared and the batch re-uploaded."""
+    roomy, _ = _four_requests(None)
+    sizes = {rid: m.size for rid, m in roomy.device_lists.mirrors.items()}
+    mgr, rng = _four_requests(sum(sizes.values()))  # the four blocks fill the arena exactly
+    assert mgr.device_lists.ranges.free_total == 0
+    mgr.finish(1)
+    mgr.finish(3)  # two holes: block 1's and block 3's
+    big = [rng.randrange(1, 50) for _ in range(40)]
+    mgr.admit(9, big)
+    prefill(mgr, 9, big)
+    need = sum(len(x) + r for x, r in zip(mgr.request_lists(9), mgr._decode_room(mgr.requests[9])))
+    assert sizes[1] + sizes[3] >= need + mgr.num_groups > max(sizes[1], sizes[3])
+    clears = []
+    clear = mgr.device_lists.clear
+    mgr.device_lists.clear = lambda: clears.append(1) or clear()
+    ranges = _decode_step(mgr, [0, 2, 9], rng)
+    assert ranges is not None and clears == [1]
+    _assert_ranges_are_the_lists(mgr, [0, 2, 9], ranges)
+    check_invariants(mgr)
+
+
+def test_invariant_checker_catches_a_stale_device_list():
+    mgr = toy_manager(100)
+    toks = list(range(1, 21))
+    mgr.admit("a", toks)
+    prefill(mgr, "a", toks, decode_tokens=4)
+    rng = random.Random(0)
+    starts, lens = _decode_step(mgr, ["a"], rng)
+    check_invariants(mgr)
+    mgr.device_lists.arena[int(starts[0])] += 1
+    with pytest.raises(AssertionError, match="differs from its host list"):
+        check_invariants(mgr)
+    mgr.device_lists.mirrors["ghost"] = mgr.device_lists.mirrors["a"]
+    with pytest.raises(AssertionError, match="not running"):
+        check_invariants(mgr)
+    assert isinstance(starts, torch.Tensor)
