@@ -16,7 +16,13 @@ import math
 import pytest
 import torch
 from tangram_sgl.kernels.compaction import compact_kept_kv, compact_kept_kv_torch
-from tangram_sgl.kernels.decode import csr_ranges, gather_head_kv, launch_order, paged_decode, paged_decode_torch
+from tangram_sgl.kernels.decode import (
+    csr_ranges,
+    gather_head_kv,
+    launch_order,
+    paged_decode,
+    paged_decode_torch,
+)
 from tangram_sgl.kernels.extend import extend_attention, extend_attention_torch
 from tangram_sgl.kernels.flashinfer_decode import (
     build_pseudo_page_table,

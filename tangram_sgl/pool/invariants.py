@@ -11,6 +11,7 @@ mirror up to date with its request's lists holds a prefix of them).
 from __future__ import annotations
 
 from collections import Counter
+from itertools import pairwise
 
 from tangram_sgl.budget import pages_for
 from tangram_sgl.pool.kv_manager import TangramKVManager
@@ -55,7 +56,7 @@ def _check_device_lists(mgr: TangramKVManager, deep: bool) -> None:
     if stray:
         _fail(f"device slot lists of requests that are not running (leaked arena blocks): {stray[:4]!r}")
     blocks = sorted((m.block, m.size) for m in dl.mirrors.values() if m.size)
-    if any(a + n > b for (a, n), (b, _) in zip(blocks, blocks[1:])):
+    if any(a + n > b for (a, n), (b, _) in pairwise(blocks)):
         _fail("two requests' arena blocks overlap")
     if sum(n for _, n in blocks) + dl.ranges.free_total != dl.capacity:
         _fail(f"arena: {sum(n for _, n in blocks)} entries in blocks + {dl.ranges.free_total} free != "
