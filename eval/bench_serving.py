@@ -60,7 +60,8 @@ def replay(url: str, model: str, tokenizer: str, doc_tokens: int, a: argparse.Na
     cmd = [sys.executable, "-m", "tangram_sgl.cli", "replay", "--workload", "long", "--doc-tokens", str(doc_tokens),
            "--num-sessions", str(a.sessions), "--num-questions", str(a.questions), "--endpoint", url + "/v1",
            "--model", model, "--tokenizer", tokenizer, "--max-concurrency", str(a.concurrency),
-           "--session-rate", "inf", "--max-tokens", str(a.max_tokens), "--output", str(out), "--no-progress"]
+           "--session-rate", "inf", "--max-tokens", str(a.max_tokens), "--output", str(out), "--no-progress",
+           "--doc-text", a.doc_text]
     if a.ignore_eos:
         cmd.append("--ignore-eos")
     subprocess.run(cmd, check=False, timeout=a.replay_timeout, cwd=out.parent)
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--doc-text", choices=("essays", "vocab"), default="essays",
+                   help="document text (vocab: the tokenizer's own words, for dummy-weight models)")
     p.add_argument("--replay-timeout", type=float, default=480)
     p.add_argument("--port", type=int, default=30200)
     p.add_argument("--name", default="bench_serving")

@@ -66,7 +66,7 @@ def replay_wave(url: str, model: str, tokenizer: str, wave: int, a: argparse.Nam
     cmd = [sys.executable, "-m", "tangram_sgl.cli", "replay", "--endpoint", url + "/v1", "--model", model,
            "--tokenizer", tokenizer, "--max-concurrency", str(a.concurrency), "--session-rate", "inf",
            "--max-tokens", "48", "--ignore-eos", "--output", str(out), "--no-progress", "--seed", str(wave),
-           "--workload", "long", "--num-questions", "4",
+           "--workload", "long", "--num-questions", "4", "--doc-text", a.doc_text,
            "--doc-tokens", str(a.long_doc_tokens if long_wave else 512),
            "--num-sessions", str(a.concurrency if long_wave else 2 * a.concurrency)]
     subprocess.run(cmd, check=False, timeout=a.minutes * 60 + 300, cwd=a.out)
@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=10)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--long-doc-tokens", type=int, default=8192)
+    p.add_argument("--doc-text", choices=("essays", "vocab"), default="essays",
+                   help="document text (vocab: the tokenizer's own words, for dummy-weight models)")
     p.add_argument("--max-total-tokens", type=int, default=40_000,
                    help="pool size in full-KV tokens: about half the kept KV of a long wave at budget 0.25")
     p.add_argument("--port", type=int, default=30300)

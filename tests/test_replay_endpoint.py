@@ -50,8 +50,10 @@ class FakeChat(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Connection", "close")
         self.end_headers()
-        for w in answer:
+        for i, w in enumerate(answer):
             time.sleep(TOKEN_DELAY_S)
+            if i == 0:  # as SGLang: the first token's chunk opens with the role and empty content
+                self._event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
             self._event({"choices": [{"index": 0, "delta": {"content": w + " "}}]})
         usage = {"prompt_tokens": len(words), "completion_tokens": len(answer),
                  "prompt_tokens_details": {"cached_tokens": cached}}

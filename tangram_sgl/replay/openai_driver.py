@@ -2,7 +2,7 @@
 
 Sessions arrive as a Poisson process of ``session_rate`` sessions/s (``inf``: all at once) and at most
 ``max_concurrency`` run at a time. Inside a session, each turn waits for the previous answer and resends
-the whole history. Every turn streams, so TTFT (first content chunk) and TPOT ((last chunk - first chunk)
+the whole history. Every turn streams, so TTFT (first chunk of a choice) and TPOT ((last chunk - first chunk)
 / (output tokens - 1)) are measured client-side; token counts and cache hits come from the final
 ``usage`` chunk (``stream_options.include_usage``), cache hits from
 ``usage.prompt_tokens_details.cached_tokens`` when the server reports them.
@@ -78,11 +78,13 @@ async def _one_turn(client: httpx.AsyncClient, cfg: EndpointConfig, messages: li
             if event.get("usage"):
                 usage = event["usage"]
             for choice in event.get("choices") or []:
+                # timing from every choice chunk (the server sends the first with the first token), since a
+                # token can detokenize to nothing (e.g. a dummy-weight model's ids outside its tokenizer)
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:
-                    now = time.perf_counter()
-                    first = first if first is not None else now
-                    last = now
                     chunks += 1
                     parts.append(piece)
     end = time.perf_counter()

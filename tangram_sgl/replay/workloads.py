@@ -14,7 +14,7 @@ import importlib.util
 import json
 import random
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -143,6 +143,17 @@ def essay_paragraphs(words_per_paragraph: int = 80) -> list[str]:
     return paras
 
 
+def vocab_paragraphs(words: Sequence[str], *, count: int = 2000, words_per_paragraph: int = 80,
+                     seed: int = 0) -> list[str]:
+    """``count`` paragraphs of words drawn (seeded) from ``words``: document text for a tokenizer whose
+    vocabulary lacks English (e.g. a dummy-weight model's word-level tokenizer), where the essays would
+    collapse to unknown tokens and every session's document would look the same."""
+    if not words:
+        raise ValueError("vocab_paragraphs needs a non-empty word list")
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(words, k=words_per_paragraph)) + "." for _ in range(count)]
+
+
 def long_context_workload(
     num_sessions: int,
     *,
@@ -150,6 +161,7 @@ def long_context_workload(
     num_questions: int = 5,
     count_tokens: TokenCounter,
     seed: int = 0,
+    paragraphs: Sequence[str] | None = None,
 ) -> Workload:
     """SCBench-style sessions: turn 1 = a ~``doc_tokens``-token document + question 1; turns 2.. = questions.
 
@@ -157,10 +169,11 @@ def long_context_workload(
     ``num_questions`` facts "The access code of the <adjective> <noun> vault is <6 digits>." are inserted
     at evenly spread depths; question i asks for fact i's code. ``count_tokens`` measures the document
     (use the served model's tokenizer); paragraphs are added until the next one would pass ``doc_tokens``.
+    ``paragraphs``: the text to draw from (default: :func:`essay_paragraphs`).
     """
     if num_questions > len(_ADJECTIVES) * len(_NOUNS):
         raise ValueError(f"at most {len(_ADJECTIVES) * len(_NOUNS)} questions per session")
-    paras = essay_paragraphs()
+    paras = list(paragraphs) if paragraphs is not None else essay_paragraphs()
     rng = random.Random(seed)
     convs = []
     doc_lengths = []
