@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -11,20 +13,38 @@ def protected_mask(n: int, start: int, sink: int, window: int, device: torch.dev
     return (pos < sink) | (pos >= start + n - window)
 
 
-def select_kept(scores: torch.Tensor, k: int, start: int, sink: int, window: int) -> torch.Tensor:
-    """int64 [H, k]: per head, the segment-relative positions kept, ascending.
+def protected_count(n: int, start: int, sink: int, window: int) -> int:
+    """``protected_mask(...).sum()`` without touching a device: the sink part is a prefix of the segment,
+    the window part a suffix."""
+    return min(n, max(0, min(n, sink - start)) + max(0, min(n, window)))
 
-    ``k`` comes from :func:`tangram_sgl.budget.kept_tokens` and is at least the protected count, so every
-    protected position is kept and the remaining ``k - protected`` slots go to the highest scores
-    (ties broken by lower position, so the choice is deterministic).
+
+def select_kept_ragged(scores: torch.Tensor, ks: Sequence[int], start: int, sink: int,
+                       window: int) -> torch.Tensor:
+    """int64 ``[H, max(ks)]``: row h holds the ``ks[h]`` segment-relative positions head h keeps, ascending
+    (entries past ``ks[h]`` are ``n``). No host synchronisation.
+
+    Each ``ks[h]`` comes from :func:`tangram_sgl.budget.kept_tokens` and is at least the protected count, so
+    every protected position is kept and the remaining slots go to the highest scores (ties broken by lower
+    position, so the choice is deterministic).
     """
-    n = scores.shape[1]
-    if not 0 <= k <= n:
-        raise ValueError(f"cannot keep {k} of {n} tokens")
+    h, n = scores.shape
+    if len(ks) != h:
+        raise ValueError(f"{len(ks)} kept counts for {h} heads")
+    prot_n = protected_count(n, start, sink, window)
+    for k in ks:
+        if not prot_n <= k <= n:
+            raise ValueError(f"cannot keep {k} of {n} tokens with {prot_n} protected")
     prot = protected_mask(n, start, sink, window, scores.device)
-    if k < int(prot.sum()):
-        raise ValueError(f"k={k} is below the {int(prot.sum())} protected tokens")
     # Protected positions rank above every score; a stable sort breaks ties by lower position.
     key = scores.float().masked_fill(prot[None, :], float("inf"))
     order = torch.sort(key, dim=1, descending=True, stable=True).indices
-    return order[:, :k].sort(dim=1).values
+    rank = torch.arange(n, device=scores.device)[None, :]
+    take = rank < torch.tensor(list(ks), device=scores.device)[:, None]
+    return torch.where(take, order, n).sort(dim=1).values[:, :max(ks, default=0)]
+
+
+def select_kept(scores: torch.Tensor, k: int, start: int, sink: int, window: int) -> torch.Tensor:
+    """int64 [H, k]: per head, the segment-relative positions kept, ascending (:func:`select_kept_ragged`
+    with one ``k`` for every head)."""
+    return select_kept_ragged(scores, [k] * scores.shape[0], start, sink, window)

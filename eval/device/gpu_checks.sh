@@ -11,6 +11,7 @@
 #   smoke_eager   the smoke with decode CUDA graphs off
 #   bench1 / bench2   eval/bench_serving.py at long contexts: stock + r0.25; r1.0 + r0.5
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
+#   stephost  eval/bench_step_host.py: host metadata time per decode / extend step vs the GPU attention (no server)
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -73,6 +74,9 @@ stage_soak() {
   timeout 590 python3 eval/soak.py --model-path "$DUMMY" --out "$OUT" --minutes "${SOAK_MINUTES:-7}" --doc-text vocab \
     --profile "$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json -- --load-format dummy \
     --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
+}
+stage_stephost() {
+  (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --out "$OUT" 2>&1 | tail -12)
 }
 exact_runs() {
   uniform_r1 "$SMOL" /tmp/smollm2.uniform.r1.0.json

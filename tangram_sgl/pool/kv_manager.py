@@ -27,7 +27,7 @@ from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, segment
 from tangram_sgl.pool.segment import GroupSlots, Segment
 from tangram_sgl.profile import TangramProfile
 from tangram_sgl.radix.tree import SegmentNode, SegmentTree
-from tangram_sgl.selection import select_kept
+from tangram_sgl.selection import select_kept_ragged
 
 
 @dataclass(frozen=True)
@@ -237,8 +237,13 @@ class TangramKVManager:
         if req.decode is not None:  # a new prefill after decoded tokens closes the decode segment
             req.segments.append(req.decode)
             req.decode = None
-        kept = [torch.full((len(self.layout.members[g]), k), -1, dtype=torch.int32) for g, k in enumerate(counts)]
-        req.pending = PendingSegment(start, list(new_token_ids), counts, groups, kept, set())
+        kmax = max(max(counts), 1)
+        table = torch.zeros(self.num_groups, kmax, dtype=torch.long)
+        for g, (gs, k) in enumerate(zip(groups, counts)):
+            table[g, :k] = gs.slots(self.page_size, 0, k)
+        dev = self.pool.device
+        kept = torch.full((self.num_groups, self.layout.heads_per_group, kmax), -1, dtype=torch.int32, device=dev)
+        req.pending = PendingSegment(start, list(new_token_ids), counts, groups, set(), table.to(dev), kept)
         req.token_ids += list(new_token_ids)
         return counts
 
@@ -247,7 +252,8 @@ class TangramKVManager:
         """Keep each kv head's top-k_g tokens of layer ``layer`` and write them into the reserved slots.
 
         ``k``, ``v``: ``[num_kv_heads, n, head_dim]`` staging K/V of the segment (RoPE applied);
-        ``scores``: ``[num_kv_heads, n]``.
+        ``scores``: ``[num_kv_heads, n]`` (not read when every head keeps the whole segment). All heads of the
+        layer in one batch of device work, without a host synchronisation.
         """
         pend = self.requests[rid].pending
         if pend is None:
@@ -255,18 +261,19 @@ class TangramKVManager:
         n = len(pend.token_ids)
         if k.shape[1] != n or scores.shape[1] != n:
             raise ValueError(f"segment has {n} tokens, got K {tuple(k.shape)} and scores {tuple(scores.shape)}")
-        slots_of = self.layout.layers[layer]
-        for g in slots_of.groups():
-            heads = [h for h, gg in enumerate(slots_of.group) if gg == g]
-            cols = torch.tensor([slots_of.column[h] for h in heads], dtype=torch.long)
-            kg = pend.kept_counts[g]
-            kept = select_kept(scores[heads], kg, pend.start, self.sink_tokens, self.recent_window)
-            slots = pend.groups[g].slots(self.page_size, 0, kg)
-            hsel = torch.tensor(heads, dtype=torch.long, device=k.device)[:, None]
-            kept = kept.to(k.device)
-            self.pool.write(slots.repeat(len(heads)), cols.repeat_interleave(kg),
-                            k[hsel, kept].reshape(-1, k.shape[-1]), v[hsel, kept].reshape(-1, v.shape[-1]))
-            pend.kept[g][cols] = kept.to("cpu", torch.int32)  # metadata stays on the host
+        dev = self.pool.device
+        ks = [pend.kept_counts[g] for g in self.layout.layers[layer].group]  # per kv head of the layer
+        if all(x == n for x in ks):
+            kept = torch.arange(n, device=dev).expand(len(ks), n)
+        else:
+            kept = select_kept_ragged(scores, ks, pend.start, self.sink_tokens, self.recent_window).to(dev)
+        total, counts = sum(ks), torch.tensor(ks, device=dev)
+        head = torch.repeat_interleave(torch.arange(len(ks), device=dev), counts, output_size=total)
+        j = torch.arange(total, device=dev) - (torch.cumsum(counts, 0) - counts)[head]  # rank among the head's kept
+        pos = kept[head, j]
+        group, column = self._head_group[layer][head], self._head_column[layer][head]
+        self.pool.write(pend.slot_table[group, j], column, k.to(dev)[head, pos], v.to(dev)[head, pos])
+        pend.kept_table[group, column, j] = pos.to(torch.int32)
         pend.layers_written.add(layer)
 
     def commit_segment(self, rid: Hashable) -> Segment:
@@ -274,7 +281,7 @@ class TangramKVManager:
         req = self.requests[rid]
         if req.pending is None:
             raise RuntimeError(f"request {rid!r} has no reserved segment")
-        seg = req.pending.to_segment(self.layout.num_layers)
+        seg = req.pending.to_segment(self.layout.num_layers, [len(m) for m in self.layout.members])
         req.segments.append(seg)
         req.pending = None
         req.version += 1

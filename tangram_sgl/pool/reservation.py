@@ -37,21 +37,32 @@ def pages_per_group(
 
 @dataclass
 class PendingSegment:
-    """Pages reserved for a segment whose K/V is being written layer by layer."""
+    """Pages reserved for a segment whose K/V is being written layer by layer.
+
+    On the pool's device while it is written: ``slot_table`` int64 ``[G, max k_g]`` (group g's reserved
+    slots for kept tokens 0..k_g-1) and ``kept_table`` int32 ``[G, H_p, max k_g]`` (the kept positions of
+    each member, filled layer by layer, -1 elsewhere), copied to the host once, at commit (``host_kept``).
+    """
 
     start: int
     token_ids: list[int]
     kept_counts: list[int]
     groups: list[GroupSlots]
-    kept: list[torch.Tensor]
     layers_written: set[int]
+    slot_table: torch.Tensor
+    kept_table: torch.Tensor
+
+    def host_kept(self, members: list[int]) -> list[torch.Tensor]:
+        """Per group g: int32 ``[members[g], k_g]`` kept positions on the host (one device copy)."""
+        table = self.kept_table.cpu()
+        return [table[g, :m, :k] for g, (m, k) in enumerate(zip(members, self.kept_counts))]
 
     @property
     def full(self) -> bool:
         return all(k == len(self.token_ids) for k in self.kept_counts)
 
-    def to_segment(self, num_layers: int) -> Segment:
-        """The committed segment; every layer must have been written."""
+    def to_segment(self, num_layers: int, members: list[int]) -> Segment:
+        """The committed segment (``members[g]``: group g's member count); every layer must have been written."""
         missing = sorted(set(range(num_layers)) - self.layers_written)
         if missing:
             raise RuntimeError(f"segment [{self.start}, {self.start + len(self.token_ids)}) is missing the K/V "
@@ -59,4 +70,4 @@ class PendingSegment:
         for gs, k in zip(self.groups, self.kept_counts):
             gs.length = k
         full = self.full
-        return Segment(self.start, self.token_ids, full, self.groups, None if full else self.kept)
+        return Segment(self.start, self.token_ids, full, self.groups, None if full else self.host_kept(members))

@@ -1,0 +1,165 @@
+"""Host time of the tangram forward metadata per step, beside the GPU time of the step's attention (issue 5).
+
+Fills a tangram pool (Llama-3.1-8B shapes from a profile, random K/V and scores) with ``--requests``
+sessions of ``--context`` tokens prefilled in ``--chunk``-token segments through the same manager calls the
+SGLang backend makes, then times, per step:
+
+- decode: building the ``ForwardStep`` (rows -> requests, decode slots, the device slot lists appended in
+  place) on the host, and the attention of every layer on the GPU (token K/V write + split-KV decode);
+  beside it, what the previous design cost: rebuilding every (request, group) slot list on the host and
+  copying it to the device (``TangramKVManager.slot_lists``);
+- extend: one 16-token question per session as one extend batch (host metadata, then per layer the
+  extend kernel + segment write), and the prefill chunks' per-layer segment writes.
+
+Writes ``<out>/<name>.json``. Runs on CPU too at toy sizes (``--device cpu``: torch kernels).
+
+    python eval/bench_step_host.py --requests 16 --context 32768 --out eval/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "eval"))
+
+from results_io import RESULTS, summary_row, write_result
+
+from tangram_sgl.attention.forward_step import AttentionContext, StepRow
+from tangram_sgl.budget import pages_for
+from tangram_sgl.layout import HeadGroupLayout
+from tangram_sgl.pool.kv_manager import TangramKVManager
+from tangram_sgl.pool.reservation import segment_kept_counts
+from tangram_sgl.profile import load_profile
+
+DEFAULT_PROFILE = ROOT / "tangram_sgl" / "profiles" / "llama-3.1-8b.synthetic.r0.25.json"
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(dev: torch.device, fn) -> tuple[float, object]:
+    """(milliseconds, result) of ``fn()`` with the device idle before and after."""
+    sync(dev)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(dev)
+    return (time.perf_counter() - t0) * 1e3, out
+
+
+def pool_pages(layout: HeadGroupLayout, profile, requests: int, context: int, chunk: int, extra: int) -> int:
+    """Pages the filled pool needs: every chunk's kept tokens per group, then decoded / question tokens."""
+    pages = 0
+    for start in range(0, context, chunk):
+        counts = segment_kept_counts(layout, min(chunk, context - start), start, profile.sink_tokens,
+                                     profile.recent_window)
+        pages += sum(pages_for(k, layout.page_size) for k in counts)
+    return requests * (pages + layout.num_groups * (pages_for(extra, layout.page_size) + 2)) + 16
+
+
+def write_layers(kv: TangramKVManager, rid: str, n: int, gen: torch.Generator, dev: torch.device) -> float:
+    """Write every layer of ``rid``'s pending n-token segment with random K/V and scores; ms of host+device."""
+    lay = kv.layout
+    d = kv.pool.head_dim
+    k = torch.randn(lay.num_kv_heads, n, d, generator=gen, device=dev, dtype=kv.pool.k_buffer.dtype)
+    scores = torch.rand(lay.num_kv_heads, n, generator=gen, device=dev)
+
+    def run() -> None:
+        for layer in range(lay.num_layers):
+            kv.write_segment_layer(rid, layer, k, k, scores)
+        kv.commit_segment(rid)
+
+    return timed(dev, run)[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile", default=str(DEFAULT_PROFILE))
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--chunk", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--head-dim", type=int, help="default: the profile's (use a small one on CPU)")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--name", default="bench_step_host")
+    a = p.parse_args(argv)
+    dev = torch.device(a.device)
+    profile = load_profile(a.profile)
+    question = 16
+    num_pages = pool_pages(HeadGroupLayout.from_profile(profile), profile, a.requests, a.context, a.chunk,
+                           a.steps + question + 16)
+    kv = TangramKVManager.from_profile(profile, num_pages, head_dim=a.head_dim, dtype=torch.bfloat16
+                                       if dev.type == "cuda" else torch.float32, device=dev)
+    ctx = AttentionContext.create(kv, profile)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rids = [f"s{i}" for i in range(a.requests)]
+    prefill_ms = []
+    for i, rid in enumerate(rids):
+        tokens = [(i * 7919 + j) % 50000 + 1 for j in range(a.context)]
+        kv.admit(rid, tokens)  # nothing cached: every session's context is its own
+        for start in range(0, a.context, a.chunk):
+            seg = tokens[start:start + a.chunk]
+            kv.reserve(rid, seg, decode_tokens=a.steps + question + 16 if start + a.chunk >= a.context else 0)
+            prefill_ms.append(write_layers(kv, rid, len(seg), gen, dev))
+    lay = kv.layout
+    hq = profile.model.num_attention_heads
+    d = kv.pool.head_dim
+    scale = d ** -0.5
+    q = torch.randn(a.requests, hq, d, generator=gen, device=dev, dtype=kv.pool.k_buffer.dtype)
+    kn = torch.randn(a.requests, lay.num_kv_heads, d, generator=gen, device=dev, dtype=kv.pool.k_buffer.dtype)
+
+    host_ms, gpu_ms, csr_ms, csr_entries = [], [], [], []
+    for s in range(a.steps):
+        rows = [StepRow(rid, len(kv.requests[rid].token_ids), 1, True) for rid in rids]
+        ms, step = timed(dev, lambda rows=rows: ctx.step(rows, [5] * len(rows)))
+        host_ms.append(ms)
+        gpu_ms.append(timed(dev, lambda step=step: [step.attend(layer, q, kn, kn, scale)
+                                                    for layer in range(lay.num_layers)])[0])
+        ms, (ip, ix) = timed(dev, lambda: (lambda c: (c[0].to(dev), c[1].to(dev)))(kv.slot_lists(rids)))
+        csr_ms.append(ms)
+        csr_entries.append(ix.numel())
+    # one extend batch: a 16-token question per session on its whole cached context
+    for rid in rids:
+        kv.reserve(rid, [3] * question)
+    rows = [StepRow(rid, len(kv.requests[rid].token_ids) - question, question, False) for rid in rids]
+    ext_host_ms, step = timed(dev, lambda: ctx.step(rows, []))
+    qe = torch.randn(a.requests * question, hq, d, generator=gen, device=dev, dtype=kv.pool.k_buffer.dtype)
+    ke = torch.randn(a.requests * question, lay.num_kv_heads, d, generator=gen, device=dev, dtype=qe.dtype)
+    ext_layers_ms = timed(dev, lambda: ([step.attend(layer, qe, ke, ke, scale) for layer in range(lay.num_layers)],
+                                        step.commit()))[0]
+
+    med = statistics.median
+    data = {"profile": Path(a.profile).name, "requests": a.requests, "context": a.context, "chunk": a.chunk,
+            "groups": lay.num_groups, "heads_per_group": lay.heads_per_group, "page_size": lay.page_size,
+            "head_dim": d, "decode_steps": a.steps, "decode_host_ms": host_ms, "decode_attention_ms": gpu_ms,
+            "csr_rebuild_ms": csr_ms, "csr_entries": csr_entries, "extend_host_ms": ext_host_ms,
+            "extend_layers_ms": ext_layers_ms, "prefill_chunk_write_ms": prefill_ms,
+            "arena_used": kv.device_lists.capacity - kv.device_lists.ranges.free_total,
+            "arena_capacity": kv.device_lists.capacity, "arena_fallback_steps": kv.arena_fallback_steps}
+    tag = f"{a.requests} x {a.context // 1024}k, {Path(a.profile).stem}"
+    summary = [
+        summary_row(f"decode step host metadata (median, {tag})", round(med(host_ms[1:] or host_ms), 3), "ms"),
+        summary_row(f"decode step attention, all layers (median, {tag})", round(med(gpu_ms[1:] or gpu_ms), 3), "ms"),
+        summary_row(f"host CSR rebuild + copy the arena replaces (median, {tag})", round(med(csr_ms), 3), "ms"),
+        summary_row(f"extend step host metadata, 16-token questions ({tag})", round(ext_host_ms, 3), "ms"),
+        summary_row(f"extend step layers incl. segment writes ({tag})", round(ext_layers_ms, 3), "ms"),
+        summary_row(f"prefill chunk segment writes, all layers (median, {a.chunk} tokens)",
+                    round(med(prefill_ms), 3), "ms"),
+    ]
+    for row in summary:
+        print(f"{row['metric']}: {row['value']} {row['unit']}")
+    print("wrote", write_result(a.name, data, summary, directory=a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
