@@ -58,6 +58,11 @@ class RequestKV:
     def prefix_len(self) -> int:
         return self.node.end
 
+    @property
+    def decoded_tokens(self) -> int:
+        """Tokens in the open decode segment (every group keeps each of them)."""
+        return self.decode.n if self.decode is not None else 0
+
     def group_page_lists(self) -> Iterable[tuple[int, list[int]]]:
         """(group, pages) of every page list the request owns: its segments, the segment being written,
         its decoded tokens and its reserved decode pages (in that order)."""
@@ -136,8 +141,8 @@ class TangramKVManager:
         for req in self.requests.values():
             if req.pending is not None:
                 continue
-            need += sum(1 for gs, sp in zip(self._decode_groups(req), req.spare)
-                        if gs.length == len(gs.pages) * self.page_size and not sp)
+            if req.decoded_tokens % self.page_size == 0:
+                need += sum(1 for sp in req.spare if not sp)
         return need
 
     def _release_segment(self, seg: Segment) -> None:
@@ -318,24 +323,27 @@ class TangramKVManager:
         for req in reqs:
             if req.pending is not None:
                 raise RuntimeError(f"request {req.rid!r} is still writing a segment")
-        short = [(req, g) for req in reqs for g, gs in enumerate(self._decode_groups(req))
-                 if gs.length == len(gs.pages) * self.page_size and not req.spare[g]]
+        # a group needs a page when its decode pages are full (all groups hold every decoded token)
+        short = [(req, g) for req in reqs if req.decoded_tokens % self.page_size == 0
+                 for g, sp in enumerate(req.spare) if not sp]
         if short:
             self._ensure_free(len(short), f"decode step of {len(reqs)} request(s) {list(rids)[:4]!r}")
             for (req, g), p in zip(short, self.pool.allocator.alloc(len(short))):
                 req.spare[g].append(p)
-        out = torch.empty(len(reqs), self.num_groups, dtype=torch.long)
-        for r, (req, token_id) in enumerate(zip(reqs, token_ids)):
+        ps, out = self.page_size, []
+        for req, token_id in zip(reqs, token_ids):
             if req.decode is None:
                 req.decode = Segment(len(req.token_ids), [], True, [GroupSlots() for _ in range(self.num_groups)])
+            n = req.decode.n  # every group keeps every decoded token: one length for all groups
+            page, off = divmod(n, ps)
             for g, gs in enumerate(req.decode.groups):
-                if gs.length == len(gs.pages) * self.page_size:
+                if off == 0:
                     gs.pages.append(req.spare[g].pop(0))
-                out[r, g] = gs.pages[gs.length // self.page_size] * self.page_size + gs.length % self.page_size
-                gs.length += 1
+                out.append(gs.pages[page] * ps + off)
+                gs.length = n + 1
             req.decode.token_ids.append(int(token_id))
             req.token_ids.append(int(token_id))
-        return out
+        return torch.tensor(out, dtype=torch.long).view(len(reqs), self.num_groups)
 
     def _decode_groups(self, req: RequestKV) -> list[GroupSlots]:
         return req.decode.groups if req.decode is not None else [GroupSlots()] * self.num_groups
