@@ -134,15 +134,17 @@ def main(argv: list[str] | None = None) -> int:
         ms, indices = timed(dev, lambda: csr_lists(kv, rids, dev))
         csr_ms.append(ms)
         csr_entries.append(indices.numel())
-    # one extend batch: a 16-token question per session on its whole cached context
-    for rid in rids:
-        kv.reserve(rid, [3] * question)
-    rows = [StepRow(rid, len(kv.requests[rid].token_ids) - question, question, False) for rid in rids]
-    ext_host_ms, step = timed(dev, lambda: ctx.step(rows, []))
-    qe = torch.randn(a.requests * question, hq, d, generator=gen, device=dev, dtype=kv.pool.k_buffer.dtype)
-    ke = torch.randn(a.requests * question, lay.num_kv_heads, d, generator=gen, device=dev, dtype=qe.dtype)
-    ext_layers_ms = timed(dev, lambda: ([step.attend(layer, qe, ke, ke, scale) for layer in range(lay.num_layers)],
-                                        step.commit()))[0]
+    # extend batches of a 16-token question per session on its whole cached context: the first (one
+    # session) warms the kernels up, the second (every session) is timed
+    for batch in (rids[:1], rids):
+        for rid in batch:
+            kv.reserve(rid, [3] * question)
+        rows = [StepRow(rid, len(kv.requests[rid].token_ids) - question, question, False) for rid in batch]
+        ext_host_ms, step = timed(dev, lambda rows=rows: ctx.step(rows, []))
+        qe = torch.randn(len(batch) * question, hq, d, generator=gen, device=dev, dtype=kv.pool.k_buffer.dtype)
+        ke = torch.randn(len(batch) * question, lay.num_kv_heads, d, generator=gen, device=dev, dtype=qe.dtype)
+        ext_layers_ms = timed(dev, lambda step=step, qe=qe, ke=ke: (
+            [step.attend(layer, qe, ke, ke, scale) for layer in range(lay.num_layers)], step.commit()))[0]
 
     med = statistics.median
     data = {"profile": Path(a.profile).name, "requests": a.requests, "context": a.context, "chunk": a.chunk,

@@ -93,6 +93,12 @@ def metric_lines(url: str) -> list[str]:
     return [ln for ln in text.splitlines() if not ln.startswith("#") and any(k in ln for k in keys)]
 
 
+def decode_batches(log: list[str]) -> tuple[int, int]:
+    """(decode-batch log lines, those SGLang ran as a CUDA-graph replay: ``cuda graph: True``)."""
+    lines = [ln for ln in log if "Decode batch" in ln]
+    return len(lines), sum("cuda graph: True" in ln for ln in lines)
+
+
 def run_check(name: str, fn, results: dict) -> None:
     try:
         results[name] = {"ok": True, "turns": fn()}
@@ -134,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     log = server.log.read_text(errors="replace").splitlines()
     results["log_tangram_lines"] = [ln for ln in log if "tangram" in ln.lower()][:80]
     results["log_cuda_graph_lines"] = [ln for ln in log if "cuda graph" in ln.lower()][:20]
+    results["decode_batches"], results["decode_batches_in_graphs"] = decode_batches(log)
     summary = [
         summary_row(f"{a.label}: server ready", results.get("ready_s", -1), "s", "starts", "ready_s" in results),
         summary_row(f"{a.label}: OpenAI turns 2-4 hit the prefix cache",
@@ -143,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                     "", "all", later_turns_hit(results.get("native_generate", {}))),
         summary_row(f"{a.label}: frontend turns 2-3 hit", float(later_turns_hit(results.get("frontend_program", {}))),
                     "", "all", later_turns_hit(results.get("frontend_program", {}))),
+        summary_row(f"{a.label}: logged decode batches run as CUDA-graph replays",
+                    results["decode_batches_in_graphs"], f"of {results['decode_batches']}", "report", None),
     ]
     path = write_result(f"serve_smoke_{a.label}", results, summary, directory=a.out)
     print(path.read_text()[:6000])
