@@ -168,3 +168,42 @@ def test_slot_list_cache_follows_every_growth():
     a.groups[0].slots(4)
     a.append(Segment(4, [1] * 2, True, [GroupSlots([7], 2)]), 4)
     assert a.groups[0].slots(4).tolist() == [8, 9, 10, 11, 28, 29]
+
+
+def test_whole_segments_written_together_equal_one_by_one():
+    """Segments every group keeps whole (short turns) written for several requests in one batch per layer
+    land exactly where per-request ``write_segment_layer`` puts them; a compressed segment is refused."""
+    seqs = {"a": list(range(1, 4)), "b": list(range(10, 15))}  # shorter than sink + window: kept whole
+
+    def filled(batched: bool):
+        mgr = toy_manager(64)
+        for rid, toks in seqs.items():
+            mgr.admit(rid, toks)
+            mgr.reserve(rid, toks)
+        ks = [token_kv(toks, 0, len(toks)) for toks in seqs.values()]
+        k = torch.cat([x[0] for x in ks], 2).permute(0, 2, 1, 3)  # [L, T, H, D] staging of both requests
+        v = torch.cat([x[1] for x in ks], 2).permute(0, 2, 1, 3)
+        if batched:
+            plan = mgr.full_segment_writes(list(seqs), [0, 3])
+            for layer in range(L):
+                mgr.write_full_segments_layer(plan, layer, k[layer], v[layer])
+        else:
+            for (rid, toks), a in zip(seqs.items(), (0, 3)):
+                for layer in range(L):
+                    seg_k = k[layer, a:a + len(toks)].transpose(0, 1)
+                    mgr.write_segment_layer(rid, layer, seg_k, v[layer, a:a + len(toks)].transpose(0, 1),
+                                            torch.zeros(H, len(toks)))
+        for rid in seqs:
+            mgr.commit_segment(rid)
+        check_invariants(mgr)
+        return mgr
+
+    one, both = filled(False), filled(True)
+    assert torch.equal(one.pool.k_buffer, both.pool.k_buffer) and torch.equal(one.pool.v_buffer, both.pool.v_buffer)
+    assert both.pool.k_buffer.abs().sum() > 0
+    mgr = toy_manager(64)
+    long = list(range(1, 30))
+    mgr.admit("c", long)
+    mgr.reserve("c", long)  # 29 tokens at budgets < 1: compressed
+    with pytest.raises(ValueError, match="kept whole"):
+        mgr.full_segment_writes(["c"], [0])

@@ -13,9 +13,10 @@ Per layer (:meth:`ForwardStep.attend`):
   when the arena cannot hold them, host-built CSR lists (logged).
 - **extend or mixed batch**: the extend kernel attends each row's new tokens over [its committed slot
   lists ; its own staging K/V, causal]; then each extend row's segment is scored (the profile's scorer on
-  the segment's observation window; skipped when every group keeps the whole segment) and
-  ``write_segment_layer`` keeps each head's top-k_g tokens in the reserved slots; decode rows (mixed
-  batches) write their token's K/V into their decode slots.
+  the segment's observation window) and ``write_segment_layer`` keeps each head's top-k_g tokens in the
+  reserved slots — except rows every group keeps whole (short turns, budget 1.0), written together in one
+  batch per layer (``full_segment_writes``); decode rows (mixed batches) write their token's K/V into their
+  decode slots.
 
 After the last layer the caller runs :meth:`ForwardStep.commit` (extend rows' segments become committed).
 """
@@ -152,6 +153,9 @@ class ForwardStep:
         self.decode_index = torch.tensor([self.offsets[i] for i in decode_rows], dtype=torch.long, device=dev)
         self.compress = {i: any(k < self.rows[i].n for k in kv.requests[self.rids[i]].pending.kept_counts)
                          for i in self.extend_rows}
+        whole = [i for i in self.extend_rows if not self.compress[i]]  # written together, one batch per layer
+        self.whole_writes = kv.full_segment_writes([self.rids[i] for i in whole],
+                                                   [self.offsets[i] for i in whole]) if whole else None
 
     def _check_rows(self) -> None:
         kv = self.ctx.kv
@@ -184,13 +188,14 @@ class ForwardStep:
                                  self.kv_indices, self.splits, self.max_splits)
         out = ctx.kernels.extend(q, k, v, self.qo_indptr, self.max_new, pool.k_buffer, pool.v_buffer,
                                  self.kv_indptr, self.kv_indices, hg, hc, scale)
+        if self.whole_writes is not None:
+            kv.write_full_segments_layer(self.whole_writes, layer, k, v)
         for i in self.extend_rows:
+            if not self.compress[i]:
+                continue
             row, a, b = self.rows[i], self.offsets[i], self.offsets[i + 1]
             ks, vs = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
-            if self.compress[i]:
-                scores = ctx.scorer.scores(q[a:b].transpose(0, 1), ks, vs, scale, row.start)
-            else:  # every group keeps the whole segment: the ranking is not used
-                scores = torch.zeros(ks.shape[0], row.n, device=k.device)
+            scores = ctx.scorer.scores(q[a:b].transpose(0, 1), ks, vs, scale, row.start)
             kv.write_segment_layer(row.rid, layer, ks, vs, scores)
         if self.token_slots is not None:
             kv.write_token_layer(self.token_slots, layer, k[self.decode_index], v[self.decode_index])

@@ -31,6 +31,17 @@ from tangram_sgl.selection import select_kept_ragged
 
 
 @dataclass(frozen=True)
+class FullSegmentWrites:
+    """Where every layer's K/V of segments that keep every token go, for several requests at once:
+    ``slots[l, h, i]`` receives staging row ``tokens[i]`` of kv head h in layer l (column ``columns[l, h]``)."""
+
+    rids: list[Hashable]
+    slots: torch.Tensor  # int64 [L, H, N] on the pool's device
+    columns: torch.Tensor  # int64 [L, H]
+    tokens: torch.Tensor  # int64 [N]: rows of the step's staging K/V
+
+
+@dataclass(frozen=True)
 class PrefixMatch:
     """A cached prefix: the deepest matched node and the number of tokens its path covers."""
 
@@ -280,6 +291,31 @@ class TangramKVManager:
         self.pool.write(pend.slot_table[group, j], column, k.to(dev)[head, pos], v.to(dev)[head, pos])
         pend.kept_table[group, column, j] = pos.to(torch.int32)
         pend.layers_written.add(layer)
+
+    def full_segment_writes(self, rids: Sequence[Hashable], starts: Sequence[int]) -> FullSegmentWrites:
+        """The writes of the pending segments of ``rids`` — each kept whole by every group — whose tokens are
+        staging rows ``[starts[i], starts[i] + n_i)`` (:meth:`write_full_segments_layer` runs them per layer:
+        one batch of device work for all these requests instead of one per request)."""
+        dev, slots, tokens = self.pool.device, [], []
+        for rid, a in zip(rids, starts):
+            pend = self.requests[rid].pending
+            if pend is None or any(k != len(pend.token_ids) for k in pend.kept_counts):
+                raise ValueError(f"request {rid!r} has no pending segment kept whole by every group")
+            n = len(pend.token_ids)
+            slots.append(pend.slot_table[:, :n][self._head_group])  # [L, H, n]
+            tokens.append(torch.arange(a, a + n, device=dev))
+        return FullSegmentWrites(list(rids), torch.cat(slots, 2), self._head_column, torch.cat(tokens))
+
+    def write_full_segments_layer(self, plan: FullSegmentWrites, layer: int, k: torch.Tensor,
+                                  v: torch.Tensor) -> None:
+        """Layer ``layer`` of ``plan``'s segments from the step's staging ``k``, ``v`` ``[T, H_kv, D]``."""
+        rows = plan.slots[layer]  # [H, N]
+        cols = plan.columns[layer][:, None].expand_as(rows)
+        d = k.shape[-1]
+        self.pool.write(rows.reshape(-1), cols.reshape(-1), k[plan.tokens].transpose(0, 1).reshape(-1, d),
+                        v[plan.tokens].transpose(0, 1).reshape(-1, d))
+        for rid in plan.rids:
+            self.requests[rid].pending.layers_written.add(layer)
 
     def commit_segment(self, rid: Hashable) -> Segment:
         """Turn the fully written pending segment into a segment the request owns."""
