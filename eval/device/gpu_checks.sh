@@ -7,7 +7,7 @@
 #   tests   tests/test_kernels.py + tests/test_attention_backend.py on CUDA (compiled Triton)
 #   smoke   eval/serve_smoke.py: dummy Llama-3.1-8B, synthetic r0.25 profile, OpenAI / native / frontend
 #   exact   eval/exactness.py: SmolLM2 greedy tokens, stock triton vs tangram at budgets 1.0 / 0.5 / 0.25
-#   exact1 / floor / exactfp32   budget 1.0 only; stock triton vs stock flashinfer; both in fp32 (page size 1)
+#   exact1 / floor   budget 1.0 only, page size 1; stock triton vs stock flashinfer (the bf16 noise floor)
 #   smoke_eager   the smoke with decode CUDA graphs off
 #   bench1 / bench2   eval/bench_serving.py at long contexts: stock + r0.25; r1.0 + r0.5
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
@@ -50,12 +50,11 @@ stage_smoke() {
 stage_exact() { exact_runs stock:triton tangram:/tmp/smollm2.uniform.r1.0.json \
     tangram:"$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.5.json \
     tangram:"$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.25.json; }
-stage_exact1() { exact_runs stock:triton tangram:/tmp/smollm2.uniform.r1.0.json; }
-# the bf16 noise floor between two correct stock backends, and both paths in fp32
+# budget 1.0 at page size 1 (every other stage serves page-16 profiles)
+stage_exact1() { uniform_r1 "$SMOL" /tmp/smollm2.uniform.r1.0.p1.json 1; NAME=exactness_smollm2_p1 \
+    exact_runs stock:triton tangram:/tmp/smollm2.uniform.r1.0.p1.json; }
+# the bf16 noise floor between two correct stock backends
 stage_floor() { NAME=exactness_smollm2_floor exact_runs stock:triton stock:flashinfer; }
-# page size 1 here (the other stages serve page-16 profiles); fp32 tl.dot in IEEE precision, not TF32, in both
-stage_exactfp32() { uniform_r1 "$SMOL" /tmp/smollm2.uniform.r1.0.p1.json 1; TRITON_F32_DEFAULT=ieee \
-    NAME=exactness_smollm2_fp32 EXTRA="--dtype float32" exact_runs stock:triton tangram:/tmp/smollm2.uniform.r1.0.p1.json; }
 stage_smoke_eager() { SMOKE_LABEL=llama8b_dummy_r0.25_eager SMOKE_EXTRA="--cuda-graph-backend-decode disabled" stage_smoke; }
 # serving throughput, dummy Llama-3.1-8B (two calls: each server start costs ~2 min)
 stage_bench1() { bench_runs bench_serving_long_a stock:flashinfer tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
