@@ -31,7 +31,7 @@ class GroupSlots:
     _cached: tuple[tuple[int, int, int, int], torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     def slots(self, page_size: int, begin: int = 0, end: int | None = None) -> torch.Tensor:
-        """int64 slot ids of slots ``[begin, end)`` (default: all in use)."""
+        """int32 slot ids of slots ``[begin, end)`` (default: all in use), the kernels' index type."""
         whole = begin == 0 and end is None
         if whole:
             key = (self.length, len(self.pages), self.pages[-1] if self.pages else -1, page_size)
@@ -40,7 +40,7 @@ class GroupSlots:
         end = self.length if end is None else end
         j = torch.arange(begin, end, dtype=torch.long)
         pages = torch.tensor(self.pages, dtype=torch.long)
-        out = pages[j // page_size] * page_size + j % page_size if len(j) else j
+        out = (pages[j // page_size] * page_size + j % page_size if len(j) else j).to(torch.int32)
         if whole:
             self._cached = (key, out)
         return out
