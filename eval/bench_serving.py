@@ -28,7 +28,7 @@ from pathlib import Path
 
 import requests
 from results_io import summary_row, write_result
-from server_proc import TEMPLATES, ServerProcess, parse_server_spec, server_args
+from server_proc import TEMPLATES, ServerProcess, decode_batches, parse_server_spec, server_args
 
 from tangram_sgl.profile import load_profile
 
@@ -87,11 +87,13 @@ def run_one(spec: str, ctx_name: str, doc_tokens: int, a: argparse.Namespace) ->
             run["gpu_memory_used_mib"] = gpu_memory_used_mib()
             kept, full = gauge(metrics, "tangram_kv_kept_bytes"), gauge(metrics, "tangram_kv_full_bytes")
             run["kept_fraction"] = kept / full if kept is not None and full else (None if profile else 1.0)
+            run["host_built_decode_steps"] = gauge(metrics, "tangram_host_built_decode_steps")
         except Exception as e:  # noqa: BLE001 (recorded; the other runs still go)
             run["error"] = f"{type(e).__name__}: {e}"
     log = server.log.read_text(errors="replace")
     m = re.search(r"max_total_num_tokens=(\d+)", log)
     run["max_total_num_tokens"] = int(m.group(1)) if m else None
+    run["decode_batches_logged"], run["decode_batches_in_graphs"] = decode_batches(log.splitlines())
     s = run.get("summary")
     if s and run["max_total_num_tokens"] and run.get("kept_fraction"):
         per_session = (s["prompt_tokens"] / max(s["turns_ok"], 1) + a.max_tokens)  # ~ the last turn's length

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import requests
 from results_io import summary_row, write_result
-from server_proc import TEMPLATES, ServerProcess, server_args
+from server_proc import TEMPLATES, ServerProcess, decode_batches, server_args
 
 QUESTIONS = ["Tell me about the history of the city and its old harbour walls.",
              "Which of those places would a visitor see first when arriving by boat?",
@@ -91,12 +91,6 @@ def metric_lines(url: str) -> list[str]:
     text = requests.get(url + "/metrics", timeout=30).text
     keys = ("cache_hit", "tangram", "token_usage", "num_used_tokens")
     return [ln for ln in text.splitlines() if not ln.startswith("#") and any(k in ln for k in keys)]
-
-
-def decode_batches(log: list[str]) -> tuple[int, int]:
-    """(decode-batch log lines, those SGLang ran as a CUDA-graph replay: ``cuda graph: True``)."""
-    lines = [ln for ln in log if "Decode batch" in ln]
-    return len(lines), sum("cuda graph: True" in ln for ln in lines)
 
 
 def run_check(name: str, fn, results: dict) -> None:

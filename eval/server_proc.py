@@ -102,3 +102,9 @@ def parse_server_spec(spec: str) -> tuple[str, str | None, list[str]]:
     if kind == "tangram" and arg:
         return f"tangram_{Path(arg).stem}", arg, []
     raise ValueError(f"server spec {spec!r}: expected stock:<attention backend> or tangram:<profile.json>")
+
+
+def decode_batches(log: Sequence[str]) -> tuple[int, int]:
+    """(decode-batch lines of a server log, those SGLang ran as a CUDA-graph replay: ``cuda graph: True``)."""
+    lines = [ln for ln in log if "Decode batch" in ln]
+    return len(lines), sum("cuda graph: True" in ln for ln in lines)
