@@ -683,3 +683,75 @@ def test_graph_declines_a_step_beyond_the_arena_and_eager_reuses_it():
     view = SimpleNamespace(batch_size=1, num_padding=0, forward_mode=ForwardMode.DECODE)
     with pytest.raises(RuntimeError, match="without a prepared step"):
         h.backend.init_forward_metadata_out_graph(view)
+
+
+def _decode_together(sched: SglangScheduler, reqs: list[SimpleNamespace]) -> None:
+    """One DECODE batch of every request in ``reqs`` (logical ids as SGLang allocates them)."""
+    from sglang.srt.mem_cache.allocation import alloc_token_slots
+
+    rows = []
+    for req in reqs:
+        pos = len(req.origin_input_ids) + len(req.output_ids) - 1
+        sched.cache.req_to_token_pool.req_to_token[req.req_pool_idx, pos] = alloc_token_slots(sched.cache, 1).to(
+            torch.int32)
+        rows.append((req.rid, pos, [req.output_ids[-1]]))
+    for req, nxt in zip(reqs, sched.h.step(ForwardMode.DECODE, rows)):
+        req.output_ids.append(nxt)
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.3])
+def test_retraction_and_readmission_keep_requests_isolated(budget, monkeypatch):
+    """A and B share a prefix and decode in the same batches; B is retracted mid-decode as SGLang retracts
+    (``cache_finished_req(is_insert=False)``) while A decodes on over the freed pages and arena block; B is
+    re-admitted on its prompt + answer so far and finishes. Every row equals dense attention over its own
+    kept tokens, the invariants (deep) hold after every cache operation, nothing leaks, and at budget 1.0
+    B's answer equals an uninterrupted run's."""
+    from tangram_sgl.pool.invariants import check_invariants
+    from tangram_sgl.radix.sglang_cache import DEBUG_ENV
+
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    model = tiny_llama(7)
+    profile = (uniform_profile(model.config, 1.0, page_size=4, heads_per_group=3, sink_tokens=2, recent_window=6)
+               if budget == 1.0 else mixed_profile(model.config, 4, 3, seed=17))
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(0, VOCAB, (40,), generator=g).tolist()
+    a_prompt = shared + torch.randint(0, VOCAB, (7,), generator=g).tolist()
+    b_prompt = shared + torch.randint(0, VOCAB, (5,), generator=g).tolist()
+
+    alone = SglangScheduler(Harness(copy.deepcopy(model), profile, pages=900))
+    ref = alone.admit("Bref", b_prompt, max_new=6)
+    alone.prefill_chunk(ref, len(b_prompt))
+    for _ in range(5):
+        alone.decode(ref)
+    uninterrupted = alone.finish(ref)
+
+    h = Harness(model, profile, pages=900)
+    sched = SglangScheduler(h)
+    a, b = sched.admit("A", a_prompt, max_new=8), sched.admit("B", b_prompt, max_new=6)
+    sched.prefill_chunk(a, len(a_prompt))
+    sched.prefill_chunk(b, len(b_prompt))
+    for _ in range(3):
+        _decode_together(sched, [a, b])
+    so_far = list(b.output_ids)
+    sched.cache.cache_finished_req(b, is_insert=False, kv_len_to_handle=len(b_prompt) + len(so_far) - 1)
+    sched.cache.req_to_token_pool.free(b)
+    assert "B" not in h.kv.requests and "B" not in h.kv.device_lists.mirrors
+    for _ in range(3):
+        _decode_together(sched, [a])
+    sched.finish(a)
+    b2 = sched.admit("B2", b_prompt + so_far[:-1], max_new=3)  # SGLang re-admits prompt + output so far
+    b2.output_ids.append(so_far[-1])
+    # the shared prefix comes from A's tree nodes: page-aligned part of a full segment, none of a compressed one
+    assert len(b2.prefix_indices) == (40 if budget == 1.0 else 0)
+    sched.prefill_chunk(b2, len(b_prompt) + len(so_far) - 1 - len(b2.prefix_indices))
+    repredicted = b2.output_ids.pop()  # B already has its next token; decoding goes on from it
+    for _ in range(2):
+        sched.decode(b2)
+    answer = so_far + list(b2.output_ids[1:])
+    sched.finish(b2)
+    assert h.checked_rows == 2 + 3 * 2 + 3 + 1 + 2
+    assert not h.kv.requests and not h.kv.device_lists.mirrors
+    assert h.kv.free_pages() + h.kv.evictable_pages() == 899
+    check_invariants(h.kv, deep=True)
+    if budget == 1.0:
+        assert repredicted == so_far[-1] and answer == uninterrupted
