@@ -44,7 +44,10 @@ def select_kept_ragged(scores: torch.Tensor, ks: Sequence[int], start: int, sink
     return torch.where(take, order, n).sort(dim=1).values[:, :max(ks, default=0)]
 
 
-def select_kept(scores: torch.Tensor, k: int, start: int, sink: int, window: int) -> torch.Tensor:
-    """int64 [H, k]: per head, the segment-relative positions kept, ascending (:func:`select_kept_ragged`
-    with one ``k`` for every head)."""
-    return select_kept_ragged(scores, [k] * scores.shape[0], start, sink, window)
+def kept_positions_reference(scores: Sequence[float], k: int, start: int, sink: int, window: int) -> list[int]:
+    """One head's kept positions by the same rule, in plain Python: the independent reference the
+    token-by-token checker (``pool/reference_store.py``) and the tests compare the batched path against."""
+    n = len(scores)
+    prot = [start + p < sink or p >= n - window for p in range(n)]
+    ranked = sorted(range(n), key=lambda p: (not prot[p], -float(scores[p]), p))
+    return sorted(ranked[:k])

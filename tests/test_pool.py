@@ -10,7 +10,7 @@ from tangram_sgl.budget import kept_tokens, pages_for
 from tangram_sgl.pool.invariants import check_invariants
 from tangram_sgl.pool.page_allocator import PageAllocator, PoolExhausted
 from tangram_sgl.pool.reservation import AdmissionError, pages_per_group
-from tangram_sgl.selection import select_kept
+from tangram_sgl.selection import kept_positions_reference, select_kept_ragged
 
 
 def test_allocator_never_hands_out_page_zero_and_rejects_bad_frees():
@@ -56,7 +56,7 @@ def test_segment_is_compacted_into_its_slots_per_head():
         for head in range(H):
             g = mgr.layout.layers[layer].group[head]
             kg = kept_tokens(mgr.layout.group_budget[g], 40, 0, 2, 3)
-            want = select_kept(s[layer, head][None], kg, 0, 2, 3)[0]
+            want = torch.tensor(kept_positions_reference(s[layer, head].tolist(), kg, 0, 2, 3))
             gk, gv, pos = mgr.gather("a", layer, head)
             assert torch.equal(pos, want) and len(pos) == kg
             assert torch.equal(gk, k[layer, head, want]) and torch.equal(gv, v[layer, head, want])
@@ -207,3 +207,20 @@ def test_whole_segments_written_together_equal_one_by_one():
     mgr.reserve("c", long)  # 29 tokens at budgets < 1: compressed
     with pytest.raises(ValueError, match="kept whole"):
         mgr.full_segment_writes(["c"], [0])
+
+
+@pytest.mark.parametrize("start,sink,window", [(0, 2, 3), (5, 8, 0), (100, 4, 7), (0, 0, 0)])
+def test_batched_selection_equals_the_plain_reference(start, sink, window):
+    """``select_kept_ragged`` (all heads, each its own k, ties on purpose) keeps exactly what the plain-Python
+    rule keeps per head; a k below the protected count is refused."""
+    g = torch.Generator().manual_seed(start + sink)
+    n = 23
+    scores = torch.randint(0, 5, (6, n), generator=g).float()  # many ties: broken by lower position
+    prot = sum(1 for p in range(n) if start + p < sink or p >= n - window)
+    ks = [prot, n, prot + 3, min(n, prot + 9), prot + 1, n - 1 if n - 1 >= prot else n]
+    got = select_kept_ragged(scores, ks, start, sink, window)
+    for h, k in enumerate(ks):
+        assert got[h, :k].tolist() == kept_positions_reference(scores[h].tolist(), k, start, sink, window)
+    if prot:
+        with pytest.raises(ValueError, match="protected"):
+            select_kept_ragged(scores, [prot - 1] * 6, start, sink, window)

@@ -19,7 +19,7 @@ from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.pool.invariants import InvariantViolation
 from tangram_sgl.pool.kv_manager import TangramKVManager
 from tangram_sgl.pool.reservation import segment_kept_counts
-from tangram_sgl.selection import select_kept
+from tangram_sgl.selection import kept_positions_reference
 
 _HASH_MOD = (1 << 61) - 1
 _HASH_BASE = 1_000_003
@@ -97,7 +97,8 @@ class ReferenceKVStore:
             for l, slots in enumerate(self.layout.layers):
                 kl, vl, pl = [], [], []
                 for h, g in enumerate(slots.group):
-                    kept = select_kept(scores[l, h][None], counts[g], start, self.sink, self.window)[0]
+                    kept = torch.tensor(kept_positions_reference(scores[l, h].tolist(), counts[g], start, self.sink,
+                                                                 self.window), dtype=torch.long)
                     kl.append(k[l, h, kept])
                     vl.append(v[l, h, kept])
                     pl.append(kept + start)
