@@ -127,18 +127,7 @@ class ForwardStep:
         self.on_arena = False  # decode lists read from kv.device_lists.arena (else host-built CSR lists)
         if self.decode_only:  # the token's slots are part of the lists; its K/V is written before attention
             self.token_slots = kv.open_decode_slots(decode_rids, decode_token_ids).to(dev)
-            ranges = kv.device_slot_ranges(self.rids, self.token_slots)
-            if ranges is None:
-                kv.arena_fallback_steps += 1
-                if kv.arena_fallback_steps & (kv.arena_fallback_steps - 1) == 0:  # 1, 2, 4, ...: not every step
-                    logger.warning("tangram: the device slot-list arena (%d entries) cannot hold this decode "
-                                   "batch's lists; they are built on the host (slow path, %d steps so far)",
-                                   kv.device_lists.capacity, kv.arena_fallback_steps)
-                indptr, indices = kv.slot_lists(self.rids)
-                ranges, self.kv_indices = csr_ranges(indptr), indices.to(dev)
-            else:
-                self.on_arena, self.kv_indices = True, kv.device_lists.arena
-            self.kv_starts, self.kv_lens = (x.to(dev) for x in ranges)
+            self._decode_lists()
             self.splits, self.max_splits = ctx.decode_splits(len(self.rows))
         else:  # committed tokens only; new tokens are read from staging
             indptr, indices = kv.slot_lists(self.rids)
@@ -156,6 +145,23 @@ class ForwardStep:
         whole = [i for i in self.extend_rows if not self.compress[i]]  # written together, one batch per layer
         self.whole_writes = kv.full_segment_writes([self.rids[i] for i in whole],
                                                    [self.offsets[i] for i in whole]) if whole else None
+
+    def _decode_lists(self) -> None:
+        """Decode-only step: (start, length) ranges of the lists in the device arena, the new token appended
+        there; when the arena cannot hold the batch, host-built CSR lists (logged, counted)."""
+        kv, dev = self.ctx.kv, self.ctx.kv.pool.device
+        ranges = kv.device_slot_ranges(self.rids, self.token_slots)
+        if ranges is None:
+            kv.arena_fallback_steps += 1
+            if kv.arena_fallback_steps & (kv.arena_fallback_steps - 1) == 0:  # 1, 2, 4, ...: not every step
+                logger.warning("tangram: the device slot-list arena (%d entries) cannot hold this decode batch's "
+                               "lists; they are built on the host (slow path, %d steps so far)",
+                               kv.device_lists.capacity, kv.arena_fallback_steps)
+            indptr, indices = kv.slot_lists(self.rids)
+            ranges, self.kv_indices = csr_ranges(indptr), indices.to(dev)
+        else:
+            self.on_arena, self.kv_indices = True, kv.device_lists.arena
+        self.kv_starts, self.kv_lens = (x.to(dev) for x in ranges)
 
     def _check_rows(self) -> None:
         kv = self.ctx.kv
