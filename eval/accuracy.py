@@ -381,7 +381,9 @@ def build_runner(
         )
     else:
         path = shipped_profile_path(spec.budget)
-        profile, name = load_profile(path, model.config), str(path.relative_to(ROOT))
+        # the profile of the installed package (outside this checkout when tangram_sgl is installed elsewhere)
+        name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+        profile = load_profile(path, model.config)
     pages = profile.num_groups * -(-kv_tokens // profile.page_size) + 1
     engine = ReferenceEngine(model, profile, kv_pages=pages, tokenizer=tok)
     return EngineRunner(engine), {
