@@ -28,7 +28,7 @@ from pathlib import Path
 
 import requests
 from results_io import summary_row, write_result
-from server_proc import TEMPLATES, ServerProcess, decode_batches, parse_server_spec, server_args
+from server_proc import TEMPLATES, ServerProcess, decode_batches, gauge, parse_server_spec, server_args
 
 from tangram_sgl.profile import load_profile
 
@@ -49,11 +49,6 @@ def gpu_memory_used_mib() -> int | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return int(out.split()[0])
-
-
-def gauge(metrics: str, name: str) -> float | None:
-    m = re.search(rf"^sglang:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", metrics, re.MULTILINE)
-    return float(m.group(1)) if m else None
 
 
 def replay(url: str, model: str, tokenizer: str, doc_tokens: int, a: argparse.Namespace, out: Path) -> dict:
@@ -78,9 +73,8 @@ def run_one(spec: str, ctx_name: str, doc_tokens: int, a: argparse.Namespace) ->
     with server:
         try:
             run["ready_s"] = server.wait_ready()
-            model = requests.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
             t0 = time.time()
-            doc = replay(server.url, model, a.model_path, doc_tokens, a, a.out / f"replay_{label}_{ctx_name}.json")
+            doc = replay(server.url, server.served_model(), a.model_path, doc_tokens, a, a.out / f"replay_{label}_{ctx_name}.json")
             run["replay_wall_s"] = time.time() - t0
             run["summary"] = doc["summary"]
             metrics = requests.get(server.url + "/metrics", timeout=30).text

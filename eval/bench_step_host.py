@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             "head_dim": d, "decode_steps": a.steps, "decode_host_ms": host_ms, "decode_attention_ms": gpu_ms,
             "csr_rebuild_ms": csr_ms, "csr_entries": csr_entries, "extend_host_ms": ext_host_ms,
             "extend_layers_ms": ext_layers_ms, "prefill_chunk_write_ms": prefill_ms,
-            "arena_used": kv.device_lists.capacity - kv.device_lists.ranges.free_total,
+            "arena_used": kv.device_lists.used,
             "arena_capacity": kv.device_lists.capacity, "arena_fallback_steps": kv.arena_fallback_steps}
     tag = f"{a.requests} x {a.context // 1024}k, {Path(a.profile).stem}"
     summary = [

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, TimeoutError) as e:
             results["startup_error"] = str(e)
         if "startup_error" not in results:
-            model = requests.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            model = server.served_model()
             run_check("openai_chat", lambda: openai_conversation(server.url, model, a.max_tokens, a.ignore_eos),
                       results)
             run_check("native_generate", lambda: native_generate(server.url, a.max_tokens, a.ignore_eos), results)
@@ -135,18 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     results["log_tangram_lines"] = [ln for ln in log if "tangram" in ln.lower()][:80]
     results["log_cuda_graph_lines"] = [ln for ln in log if "cuda graph" in ln.lower()][:20]
     results["decode_batches"], results["decode_batches_in_graphs"] = decode_batches(log)
-    summary = [
-        summary_row(f"{a.label}: server ready", results.get("ready_s", -1), "s", "starts", "ready_s" in results),
-        summary_row(f"{a.label}: OpenAI turns 2-4 hit the prefix cache",
-                    float(later_turns_hit(results.get("openai_chat", {}))), "", "all", 
-                    later_turns_hit(results.get("openai_chat", {}))),
-        summary_row(f"{a.label}: /generate turns 2-3 hit", float(later_turns_hit(results.get("native_generate", {}))),
-                    "", "all", later_turns_hit(results.get("native_generate", {}))),
-        summary_row(f"{a.label}: frontend turns 2-3 hit", float(later_turns_hit(results.get("frontend_program", {}))),
-                    "", "all", later_turns_hit(results.get("frontend_program", {}))),
-        summary_row(f"{a.label}: logged decode batches run as CUDA-graph replays",
-                    results["decode_batches_in_graphs"], f"of {results['decode_batches']}", "report", None),
-    ]
+    summary = [summary_row(f"{a.label}: server ready", results.get("ready_s", -1), "s", "starts",
+                           "ready_s" in results)]
+    for check, what in (("openai_chat", "OpenAI turns 2-4 hit the prefix cache"),
+                        ("native_generate", "/generate turns 2-3 hit"), ("frontend_program", "frontend turns 2-3 hit")):
+        hit = later_turns_hit(results.get(check, {}))
+        summary.append(summary_row(f"{a.label}: {what}", float(hit), "", "all", hit))
+    summary.append(summary_row(f"{a.label}: logged decode batches run as CUDA-graph replays",
+                               results["decode_batches_in_graphs"], f"of {results['decode_batches']}", "report", None))
     path = write_result(f"serve_smoke_{a.label}", results, summary, directory=a.out)
     print(path.read_text()[:6000])
     return 0 if all(r["met"] for r in summary) else 1

@@ -7,6 +7,7 @@ and collects its log, because a server started inside a device command dies when
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,6 +63,10 @@ class ServerProcess:
             time.sleep(2)
         raise TimeoutError(f"server not ready after {timeout_s:.0f} s:\n{self.tail()}")
 
+    def served_model(self) -> str:
+        """The model name the server answers to (``/v1/models``)."""
+        return requests.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
@@ -108,3 +113,9 @@ def decode_batches(log: Sequence[str]) -> tuple[int, int]:
     """(decode-batch lines of a server log, those SGLang ran as a CUDA-graph replay: ``cuda graph: True``)."""
     lines = [ln for ln in log if "Decode batch" in ln]
     return len(lines), sum("cuda graph: True" in ln for ln in lines)
+
+
+def gauge(metrics: str, name: str) -> float | None:
+    """Value of ``sglang:<name>`` (its first series) in a ``/metrics`` text, or None."""
+    m = re.search(rf"^sglang:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", metrics, re.MULTILINE)
+    return float(m.group(1)) if m else None

@@ -25,9 +25,8 @@ import time
 from pathlib import Path
 
 import requests
-from bench_serving import gauge
 from results_io import summary_row, write_result
-from server_proc import TEMPLATES, ServerProcess, server_args
+from server_proc import TEMPLATES, ServerProcess, gauge, server_args
 
 
 def poll_metrics(url: str, stop: threading.Event, samples: list[dict], every_s: float) -> None:
@@ -119,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     data: dict = {"args": {k: str(v) for k, v in vars(a).items()}}
     with server:
         data["ready_s"] = server.wait_ready()
-        model = requests.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        model = server.served_model()
         stop = threading.Event()
         threads = [threading.Thread(target=poll_metrics, args=(server.url, stop, samples, 3.0), daemon=True),
                    threading.Thread(target=disconnect_clients, args=(server.url, model, stop, counts), daemon=True)]

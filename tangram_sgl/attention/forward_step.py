@@ -140,8 +140,7 @@ class ForwardStep:
         self.qo_indptr = offsets.to(dev)
         self.max_new = int(lens.max())
         self.decode_index = torch.tensor([self.offsets[i] for i in decode_rows], dtype=torch.long, device=dev)
-        self.compress = {i: any(k < self.rows[i].n for k in kv.requests[self.rids[i]].pending.kept_counts)
-                         for i in self.extend_rows}
+        self.compress = {i: not kv.requests[self.rids[i]].pending.full for i in self.extend_rows}
         whole = [i for i in self.extend_rows if not self.compress[i]]  # written together, one batch per layer
         self.whole_writes = kv.full_segment_writes([self.rids[i] for i in whole],
                                                    [self.offsets[i] for i in whole]) if whole else None

@@ -47,16 +47,17 @@ class KernelSet:
                                 head_group, head_column, sm_scale=sm_scale)
 
     def decode(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_starts: torch.Tensor,
-               kv_lens: torch.Tensor, kv_indices: torch.Tensor, head_group: torch.Tensor, head_column: torch.Tensor, head_order: torch.Tensor,
-               splits: torch.Tensor, max_splits: int, min_split_tokens: int, sm_scale: float) -> torch.Tensor:
+               kv_lens: torch.Tensor, kv_indices: torch.Tensor, head_group: torch.Tensor, head_column: torch.Tensor,
+               head_order: torch.Tensor, splits: torch.Tensor, max_splits: int, min_split_tokens: int,
+               sm_scale: float) -> torch.Tensor:
         """One query token per request over its (request, group) slot range -> ``[B, Hq, D]`` (``head_order``:
         the layer's kv heads longest-first, the Triton launch order)."""
         if self.name == "torch":
-            return paged_decode_torch(q, k_buffer, v_buffer, kv_starts, kv_lens, kv_indices, head_group, head_column,
-                                      sm_scale=sm_scale)
-        return paged_decode(q, k_buffer, v_buffer, kv_starts, kv_lens, kv_indices, head_group, head_column, splits,
-                            head_order=head_order, max_splits=max_splits, min_split_tokens=min_split_tokens,
-                            sm_scale=sm_scale)
+            return paged_decode_torch(q, k_buffer, v_buffer, kv_starts, kv_lens, kv_indices, head_group,
+                                      head_column, sm_scale=sm_scale)
+        return paged_decode(q, k_buffer, v_buffer, kv_starts, kv_lens, kv_indices, head_group, head_column,
+                            splits, head_order=head_order, max_splits=max_splits,
+                            min_split_tokens=min_split_tokens, sm_scale=sm_scale)
 
     def snapkv(self, q_obs: torch.Tensor, k: torch.Tensor, scale: float, pool_kernel: int) -> torch.Tensor:
         """SnapKV scores ``[Hkv, n]`` (see ``tangram_sgl.kernels.scoring``)."""

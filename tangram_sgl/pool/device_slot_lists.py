@@ -95,6 +95,11 @@ class DeviceSlotLists:
     def capacity(self) -> int:
         return self.arena.numel()
 
+    @property
+    def used(self) -> int:
+        """Arena entries held by mirrors' blocks."""
+        return self.capacity - self.ranges.free_total
+
     def current(self, rid: Hashable, version: int, tokens: int) -> bool:
         """Whether ``rid``'s mirror is synced to list version ``version`` at ``tokens`` tokens."""
         m = self.mirrors.get(rid)

@@ -299,7 +299,7 @@ class TangramKVManager:
         dev, slots, tokens = self.pool.device, [], []
         for rid, a in zip(rids, starts):
             pend = self.requests[rid].pending
-            if pend is None or any(k != len(pend.token_ids) for k in pend.kept_counts):
+            if pend is None or not pend.full:
                 raise ValueError(f"request {rid!r} has no pending segment kept whole by every group")
             n = len(pend.token_ids)
             slots.append(pend.slot_table[:, :n][self._head_group])  # [L, H, n]

@@ -58,9 +58,8 @@ def kv_usage(mgr: TangramKVManager) -> KVUsage:
     tokens = sum(node.segment.n for node in mgr.tree.nodes())
     tokens += sum(len(req.token_ids) - req.prefix_len for req in mgr.requests.values())
     k = mgr.pool.k_buffer
-    page_bytes = 2 * k[0].numel() * k.element_size()
     lay = mgr.layout
     token_bytes = 2 * lay.num_layers * lay.num_kv_heads * k.shape[-1] * k.element_size()
     dl = mgr.device_lists
-    return KVUsage(tuple(by_group), mgr.free_pages(), tokens, sum(by_group) * page_bytes, tokens * token_bytes,
-                   mgr.prefix_hit_tokens, dl.capacity - dl.ranges.free_total, dl.capacity, mgr.arena_fallback_steps)
+    return KVUsage(tuple(by_group), mgr.free_pages(), tokens, sum(by_group) * mgr.pool.page_bytes(),
+                   tokens * token_bytes, mgr.prefix_hit_tokens, dl.used, dl.capacity, mgr.arena_fallback_steps)
