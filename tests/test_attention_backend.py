@@ -30,6 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tangram_sgl.attention.backend import TangramAttnBackend
 from tangram_sgl.attention.forward_step import StepError
 from tangram_sgl.budget import kept_tokens
+from tangram_sgl.pool.invariants import check_invariants
 from tangram_sgl.pool.kv_manager import TangramKVManager
 from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
 from tangram_sgl.profile import ModelIdentity, TangramProfile
@@ -543,7 +544,6 @@ def test_through_sglang_radix_cache_and_reservation_hook(budget, monkeypatch):
     """Two turns of a chunked conversation through SGLang's cache interfaces and the reservation hook; the
     second turn's match covers the first turn (its chunks and answer); every row checked as above; the pool
     invariants hold after every cache operation (the server's debug flag)."""
-    from tangram_sgl.pool.invariants import check_invariants
     from tangram_sgl.radix.sglang_cache import DEBUG_ENV
 
     monkeypatch.setenv(DEBUG_ENV, "1")
@@ -660,6 +660,8 @@ def test_decode_cuda_graph_path_matches_eager(budget):
     assert run_conversations(h, seed=9) == eager
     assert h.graph_replays == 3 + 3 + 2  # the decode-only steps (mixed batches stay eager)
     assert h.kv.free_pages() + h.kv.evictable_pages() == 399 and not h.kv.requests
+    assert h.kv.pool.k_buffer[0].any()  # padding rows wrote the null page, which no list reads
+    check_invariants(h.kv, deep=True)
 
 
 def test_graph_declines_a_step_beyond_the_arena_and_eager_reuses_it():
@@ -706,7 +708,6 @@ def test_retraction_and_readmission_keep_requests_isolated(budget, monkeypatch):
     re-admitted on its prompt + answer so far and finishes. Every row equals dense attention over its own
     kept tokens, the invariants (deep) hold after every cache operation, nothing leaks, and at budget 1.0
     B's answer equals an uninterrupted run's."""
-    from tangram_sgl.pool.invariants import check_invariants
     from tangram_sgl.radix.sglang_cache import DEBUG_ENV
 
     monkeypatch.setenv(DEBUG_ENV, "1")

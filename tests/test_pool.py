@@ -7,7 +7,7 @@ import torch
 from test_pool_support import D, H, L, decode, prefill, token_kv, token_scores, toy_manager
 
 from tangram_sgl.budget import kept_tokens, pages_for
-from tangram_sgl.pool.invariants import check_invariants
+from tangram_sgl.pool.invariants import InvariantViolation, check_invariants
 from tangram_sgl.pool.page_allocator import PageAllocator, PoolExhausted
 from tangram_sgl.pool.reservation import AdmissionError, pages_per_group
 from tangram_sgl.selection import kept_positions_reference, select_kept_ragged
@@ -27,6 +27,18 @@ def test_allocator_never_hands_out_page_zero_and_rejects_bad_frees():
     with pytest.raises(PoolExhausted):
         a.alloc(2)
     assert a.free_count() == 1  # a failed alloc takes nothing
+
+
+def test_null_page_written_only_by_cuda_graph_padding():
+    """Page 0 is never owned; its contents matter only before decode graphs exist (their padding rows write
+    it): a write there without graph buffers is an invariant violation."""
+    mgr = toy_manager(num_pages=16)
+    check_invariants(mgr)
+    mgr.pool.k_buffer[0, 0, 0, 0] = 1.0
+    with pytest.raises(InvariantViolation, match="null page 0 was written"):
+        check_invariants(mgr)
+    mgr.null_page_is_padding_sink = True  # what DecodeGraphBuffers sets
+    check_invariants(mgr)
 
 
 def test_reservation_is_exact_per_group():

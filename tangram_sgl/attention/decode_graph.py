@@ -55,6 +55,7 @@ class DecodeGraphBuffers:
         self.starts = torch.zeros(max_bs * g, dtype=torch.int32, device=dev)
         self.lens = torch.zeros(max_bs * g, dtype=torch.int32, device=dev)
         self.token_slots = torch.zeros(max_bs, g, dtype=torch.long, device=dev)
+        ctx.kv.null_page_is_padding_sink = True  # capture and padded replays write page 0 from now on
 
     def fits(self, step: ForwardStep) -> bool:
         """Whether ``step`` can run in a graph: decode only, its lists in the arena, at most ``max_bs`` rows."""

@@ -119,6 +119,7 @@ class TangramKVManager:
         arena = 2 * num_pages * layout.page_size if slot_arena_entries is None else slot_arena_entries
         self.device_lists = DeviceSlotLists(arena, layout.num_groups, self.pool.device)
         self.arena_fallback_steps = 0  # decode steps whose lists did not fit the arena (built on the host)
+        self.null_page_is_padding_sink = False  # set once CUDA-graph padding rows write their K/V into page 0
         # on the pool's device: write_token_layer is pure device work (CUDA-graph capturable)
         self._head_group = layout.head_group_tensor(self.pool.device).long()
         self._head_column = layout.head_column_tensor(self.pool.device).long()
