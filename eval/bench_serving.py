@@ -11,9 +11,14 @@ memory, and the sessions its KV memory holds at once:
   gauges report after the run (pages actually in use over the same tokens as full KV).
 
 Servers: ``stock:<attention backend>`` or ``tangram:<profile.json>`` (label = profile stem).
+``--duration S`` makes every replay a fixed window of S seconds (turns in flight at its end are cut, not
+errors), so an overloaded server is measured over the same time as the others instead of timing out.
+Each server start costs minutes, so on a device with a 10-minute command limit run one server per call
+and merge the result files afterwards (``--merge``: same workload required; the summary is recomputed).
 
     python eval/bench_serving.py --model-path DIR --out DIR --servers stock:flashinfer tangram:P025.json \
         --contexts short=4096 mid=16384 long=49152 --sessions 32 --concurrency 32 -- --load-format dummy
+    python eval/bench_serving.py --merge A.json B.json --name bench_serving_long --out eval/results
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ def replay(url: str, model: str, tokenizer: str, doc_tokens: int, a: argparse.Na
            "--doc-text", a.doc_text]
     if a.ignore_eos:
         cmd.append("--ignore-eos")
+    if a.duration:
+        cmd += ["--duration", str(a.duration)]
     subprocess.run(cmd, check=False, timeout=a.replay_timeout, cwd=out.parent)
     return json.loads(out.read_text())
 
@@ -95,11 +102,32 @@ def run_one(spec: str, ctx_name: str, doc_tokens: int, a: argparse.Namespace) ->
     return run
 
 
+WORKLOAD_ARGS = ("contexts", "sessions", "questions", "concurrency", "max_tokens", "ignore_eos", "doc_text",
+                 "duration", "model_path", "server_extra")
+
+
+def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
+    """(runs, workload args, {versions, device}) of several result files of this script, which must share
+    one workload and device (else ValueError); each run keeps the command and date it was measured with."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    first = docs[0]
+    for path, doc in zip(paths[1:], docs[1:]):
+        diff = [k for k in WORKLOAD_ARGS if doc["data"]["args"].get(k) != first["data"]["args"].get(k)]
+        if doc["device"] != first["device"]:
+            diff.append("device")
+        if diff:
+            raise ValueError(f"{path} ran another workload than {paths[0]} ({', '.join(diff)} differ)")
+    runs = [{**r, "measured_by": {"file": p.name, "command": d["command"], "date": d["date"]}}
+            for p, d in zip(paths, docs) for r in d["data"]["runs"]]
+    return runs, dict(first["data"]["args"]), {"versions": first["versions"], "device": first["device"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", required=True)
+    p.add_argument("--model-path")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--servers", nargs="+", required=True, help="stock:<attention backend> | tangram:<profile>")
+    p.add_argument("--servers", nargs="+", help="stock:<attention backend> | tangram:<profile>")
+    p.add_argument("--merge", nargs="+", type=Path, help="result files of earlier runs to combine (no servers)")
     p.add_argument("--contexts", nargs="+", default=["short=4096", "mid=16384", "long=49152"],
                    help="name=document tokens")
     p.add_argument("--sessions", type=int, default=32)
@@ -109,14 +137,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--doc-text", choices=("essays", "vocab"), default="essays",
                    help="document text (vocab: the tokenizer's own words, for dummy-weight models)")
+    p.add_argument("--duration", type=float, help="seconds of load per replay (a fixed window; default: all turns)")
     p.add_argument("--replay-timeout", type=float, default=480)
     p.add_argument("--port", type=int, default=30200)
     p.add_argument("--name", default="bench_serving")
     p.add_argument("server_extra", nargs="*", help="after --: more launch_server arguments for every server")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    contexts = [(c.split("=")[0], int(c.split("=")[1])) for c in a.contexts]
-    runs = [run_one(spec, name, n, a) for name, n in contexts for spec in a.servers]
+    measured_on = None
+    if a.merge:
+        runs, run_args, measured_on = merged_runs(a.merge)
+        run_args["merged_from"] = [p.name for p in a.merge]
+        contexts = list(dict.fromkeys((r["context"], r["doc_tokens"]) for r in runs))
+    elif a.servers and a.model_path:
+        run_args = {k: str(v) for k, v in vars(a).items()}
+        contexts = [(c.split("=")[0], int(c.split("=")[1])) for c in a.contexts]
+        runs = [run_one(spec, name, n, a) for name, n in contexts for spec in a.servers]
+    else:
+        p.error("give --model-path and --servers, or --merge")
     summary = []
     for name, _ in contexts:
         base = next((r for r in runs if r["context"] == name and r["server"].startswith("stock") and "summary" in r),
@@ -136,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                     summary.append(summary_row(f"{r['label']} {name}: sessions in KV memory vs {base['label']}",
                                                round(r["sessions_in_memory"] / base["sessions_in_memory"], 2), "x",
                                                "report"))
-    path = write_result(a.name, {"runs": runs, "args": {k: str(v) for k, v in vars(a).items()}}, summary,
-                        directory=a.out)
+    path = write_result(a.name, {"runs": runs, "args": run_args}, summary, directory=a.out, measured_on=measured_on)
     print(json.dumps(summary, indent=1))
     print("wrote", path)
     return 0

@@ -45,15 +45,18 @@ def summary_row(metric: str, value: float, unit: str = "", target: str = "", met
 
 
 def write_result(name: str, data: Any, summary: list[dict], *, command: str | None = None,
-                 directory: Path | None = None) -> Path:
-    """Save ``<directory>/<name>.json`` (default ``eval/results/``) and return its path."""
+                 directory: Path | None = None, measured_on: dict | None = None) -> Path:
+    """Save ``<directory>/<name>.json`` (default ``eval/results/``) and return its path.
+
+    ``measured_on``: ``{"versions", "device"}`` of the machine that measured ``data`` when this one only
+    combines results (default: this machine)."""
     directory = RESULTS if directory is None else Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     doc = {
         "name": name,
         "command": command or " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
-        "versions": versions(),
-        "device": device_name(),
+        "versions": measured_on["versions"] if measured_on else versions(),
+        "device": measured_on["device"] if measured_on else device_name(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "summary": summary,
         "data": data,

@@ -5,10 +5,13 @@ operation: a leaked or doubly-owned page fails the operation) and a small ``--ma
 load is about twice what fits. For ``--minutes``: replay waves of long-document and short multi-turn
 sessions (``tangram-sgl replay``), while a poller samples ``/metrics`` (tangram pages in use, kept bytes)
 every few seconds and a disconnector opens streaming requests and drops them mid-generation. At the end
-the tree is flushed (``/flush_cache``) and one request checks that the server still serves.
+the tree is flushed (``/flush_cache``: the cache logs how many pages are then neither free nor owned) and
+one request checks that the server still serves. ``--soft-watchdog-timeout 30`` makes SGLang dump the
+scheduler's stacks if one batch runs over 30 s.
 
 Reported: turns served, errors (with examples), client disconnects, invariant violations and tracebacks
-in the server log, pages in use over time (plot), and whether the server still answered at the end.
+in the server log, pages leaked after the final flush, the longest gap between scheduler batches, pages
+in use over time (plot), and whether the server still answered at the end.
 
     python eval/soak.py --model-path DIR --profile P.json --out DIR --minutes 10 -- --load-format dummy
 """
@@ -18,10 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
+from itertools import pairwise
 from pathlib import Path
 
 import requests
@@ -44,19 +50,32 @@ def poll_metrics(url: str, stop: threading.Event, samples: list[dict], every_s: 
 
 
 def disconnect_clients(url: str, model: str, stop: threading.Event, counts: dict) -> None:
-    """Streaming chat requests dropped after a few chunks (a client going away mid-generation)."""
+    """Streaming chat requests dropped after a few chunks (a client going away mid-generation); one that sees
+    no chunk within 120 s under overload gives up (also a disconnect, counted apart)."""
     body = {"model": model, "stream": True, "max_tokens": 512, "ignore_eos": True,
             "messages": [{"role": "user", "content": "tell a long story about the harbour " * 50}]}
     while not stop.wait(2.0):
         try:
-            with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=30) as r:
+            with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=(10, 120)) as r:
                 for i, _ in enumerate(r.iter_lines()):
                     if i >= 5:
                         break
             counts["disconnects"] += 1
+        except requests.ReadTimeout:
+            counts["gave_up_waiting"] += 1
         except requests.RequestException as e:
             counts["disconnect_errors"] += 1
             counts.setdefault("examples", []).append(str(e)[:200])
+
+
+BATCH_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] (?:Prefill|Decode) batch")
+FLUSH_LINE = re.compile(r"tangram cache flushed: \d+ of \d+ pages free, (\d+) pages leaked, (\d+) slot-arena entries")
+
+
+def longest_stall_s(log: str) -> float:
+    """The longest gap between two consecutive batch log lines (the scheduler busy in one step, or idle)."""
+    times = [datetime.fromisoformat(m.group(1)) for m in map(BATCH_LINE.match, log.splitlines()) if m]
+    return max(((b - a).total_seconds() for a, b in pairwise(times)), default=0.0)
 
 
 def replay_wave(url: str, model: str, tokenizer: str, wave: int, a: argparse.Namespace) -> dict:
@@ -110,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TANGRAM_DEBUG_INVARIANTS"] = "1"  # inherited by the server's scheduler process
     args = server_args(a.model_path, profile=a.profile, chat_template=str(TEMPLATES / "plain-chat.jinja"),
                        extra=["--max-total-tokens", str(a.max_total_tokens), "--decode-log-interval", "10",
-                              *a.server_extra])
+                              "--soft-watchdog-timeout", "30", *a.server_extra])  # a batch over 30 s dumps stacks
     server = ServerProcess(args, a.out / "server_soak.log", a.port)
     samples: list[dict] = []
-    counts = {"disconnects": 0, "disconnect_errors": 0}
+    counts = {"disconnects": 0, "gave_up_waiting": 0, "disconnect_errors": 0}
     waves: list[dict] = []
     data: dict = {"args": {k: str(v) for k, v in vars(a).items()}}
     with server:
@@ -139,14 +158,21 @@ def main(argv: list[str] | None = None) -> int:
     log = server.log.read_text(errors="replace")
     data["invariant_violations"] = log.count("InvariantViolation")
     data["tracebacks"] = log.count("Traceback (most recent call last)")
+    flushed = FLUSH_LINE.findall(log)
+    data["leaked_after_flush"] = {"pages": int(flushed[-1][0]), "arena_entries": int(flushed[-1][1])} if flushed else None
+    data["longest_stall_s"] = longest_stall_s(log)
     data["waves"], data["disconnects"], data["samples"] = waves, counts, samples
     turns = sum(w.get("turns_ok", 0) for w in waves)
     errors = sum(max(w.get("errors", 0), 0) for w in waves)
     plot(samples, a.out / "soak.png")
+    lf = data["leaked_after_flush"]
+    leaked = -1 if lf is None else lf["pages"] + lf["arena_entries"]  # -1: the flush line is missing
     summary = [
         summary_row("soak: turns served", turns, "turns"),
         summary_row("soak: replay errors", errors, "", "0", errors == 0),
-        summary_row("soak: client disconnects mid-generation", counts["disconnects"], ""),
+        summary_row("soak: client disconnects mid-generation", counts["disconnects"] + counts["gave_up_waiting"], ""),
+        summary_row("soak: pages leaked after the final flush", leaked, "pages", "0", leaked == 0),
+        summary_row("soak: longest gap between scheduler batches", data["longest_stall_s"], "s"),
         summary_row("soak: invariant violations + server tracebacks", data["invariant_violations"] + data["tracebacks"],
                     "", "0", data["invariant_violations"] + data["tracebacks"] == 0),
         summary_row("soak: server serves after the soak", float(data.get("after_soak_request") == 200), "", "1",

@@ -25,6 +25,7 @@ class FakeChat(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     seen: ClassVar[list[list[dict]]] = []
     prompts: ClassVar[list[list[str]]] = []
+    disconnected: ClassVar[list[str]] = []
     lock = threading.Lock()
 
     def log_message(self, *args):  # keep pytest output clean
@@ -46,15 +47,23 @@ class FakeChat(BaseHTTPRequestHandler):
             self.prompts.append(words)
             self.seen.append(msgs)
         answer = [f"a{len(msgs)}", "b", "c", "d"]
+        delay = TOKEN_DELAY_S
+        if msgs[-1]["content"] == "SLOW":  # a turn that outlasts a short --duration window
+            answer, delay = answer * 10, 0.1
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Connection", "close")
         self.end_headers()
-        for i, w in enumerate(answer):
-            time.sleep(TOKEN_DELAY_S)
-            if i == 0:  # as SGLang: the first token's chunk opens with the role and empty content
-                self._event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-            self._event({"choices": [{"index": 0, "delta": {"content": w + " "}}]})
+        try:
+            for i, w in enumerate(answer):
+                time.sleep(delay)
+                if i == 0:  # as SGLang: the first token's chunk opens with the role and empty content
+                    self._event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+                self._event({"choices": [{"index": 0, "delta": {"content": w + " "}}]})
+        except (BrokenPipeError, ConnectionResetError):  # the client closed the stream (SGLang aborts here)
+            with self.lock:
+                self.disconnected.append(msgs[-1]["content"])
+            return
         usage = {"prompt_tokens": len(words), "completion_tokens": len(answer),
                  "prompt_tokens_details": {"cached_tokens": cached}}
         self._event({"choices": [], "usage": usage})
@@ -77,7 +86,7 @@ def _common(a: list[str], b: list[str]) -> int:
 
 @pytest.fixture()
 def fake_server():
-    FakeChat.seen, FakeChat.prompts = [], []
+    FakeChat.seen, FakeChat.prompts, FakeChat.disconnected = [], [], []
     srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeChat)
     th = threading.Thread(target=srv.serve_forever, daemon=True)
     th.start()
@@ -127,6 +136,24 @@ def test_failed_turn_is_recorded_and_ends_session(fake_server):
     assert [r.turn for r in bad] == [0, 1]
     assert bad[0].ok and "HTTP 500" in bad[1].error
     assert sum(r.ok for r in records if r.session == "s0") == 3
+
+
+def test_duration_window_cuts_turns_in_flight(fake_server):
+    """A fixed window ends the replay: the turn in flight is cut (its stream closed, so the server sees the
+    client leave), later turns never start, and neither counts as served or as an error."""
+    convs = [Conversation(id="slow", turns=(Turn("hi"), Turn("SLOW"), Turn("never"))), *_convs(1)]
+    cfg = EndpointConfig(base_url=fake_server, model="m")
+    records, wall = replay_endpoint(convs, cfg, progress=False, duration_s=1.0)
+    slow = sorted((r for r in records if r.session == "slow"), key=lambda r: r.turn)
+    assert [(r.turn, r.ok, r.cut) for r in slow] == [(0, True, False), (1, False, True)]
+    assert sum(r.ok for r in records if r.session == "s0") == 3
+    assert 1.0 <= wall < 1.5
+    s = summarize(records, wall)
+    assert (s["turns"], s["turns_ok"], s["turns_cut"], s["errors"]) == (5, 4, 1, 0)
+    deadline = time.time() + 5
+    while not FakeChat.disconnected and time.time() < deadline:
+        time.sleep(0.05)
+    assert FakeChat.disconnected == ["SLOW"]
 
 
 def test_unreachable_endpoint_gives_errors_not_exceptions():

@@ -9,9 +9,12 @@
 #   exact   eval/exactness.py: SmolLM2 greedy tokens, stock triton vs tangram at budgets 1.0 / 0.5 / 0.25
 #   exact1 / floor   budget 1.0 only, page size 1; stock triton vs stock flashinfer (the bf16 noise floor)
 #   smoke_eager   the smoke with decode CUDA graphs off
-#   bench1 / bench2   eval/bench_serving.py at long contexts: stock + r0.25; r1.0 + r0.5
+#   bench_stock / bench_r025 / bench_r1 / bench_r05   eval/bench_serving.py, one server per call (24 sessions x 48k
+#           distinct documents, a ${BENCH_SECONDS:-240} s window each): stock flashinfer; tangram at r0.25, 1.0, 0.5;
+#           merge the returned JSONs here with `python eval/bench_serving.py --merge ...`
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
 #   stephost  eval/bench_step_host.py: host metadata time per decode / extend step vs the GPU attention (no server)
+#   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -60,24 +63,26 @@ stage_exact1() { uniform_r1 "$SMOL" /tmp/smollm2.uniform.r1.0.p1.json 1; NAME=ex
 # the bf16 noise floor between two correct stock backends
 stage_floor() { NAME=exactness_smollm2_floor exact_runs stock:triton stock:flashinfer; }
 stage_smoke_eager() { SMOKE_LABEL=llama8b_dummy_r0.25_eager SMOKE_EXTRA="--cuda-graph-backend-decode disabled" stage_smoke; }
-# serving throughput, dummy Llama-3.1-8B (two calls: each server start costs ~2 min)
-stage_bench1() { bench_runs bench_serving_long_a stock:flashinfer tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
-stage_bench2() {
-  uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
-  bench_runs bench_serving_long_b tangram:/tmp/llama-3.1-8b.uniform.r1.0.json \
-    tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.5.json
-}
-bench_runs() {
+# serving throughput, dummy Llama-3.1-8B, one server per call (a start costs 2 min; stock's first ~4 min: FlashInfer
+# JIT and prefill-graph capture)
+stage_bench_stock() { bench_run bench_serving_long_stock stock:flashinfer; }
+stage_bench_r025() { bench_run bench_serving_long_r025 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
+stage_bench_r05() { bench_run bench_serving_long_r05 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.5.json; }
+stage_bench_r1() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
+  bench_run bench_serving_long_r1 tangram:/tmp/llama-3.1-8b.uniform.r1.0.json; }
+bench_run() {
   local name=$1; shift
-  timeout 560 python3 eval/bench_serving.py --model-path "$DUMMY" --out "$OUT" --name "$name" --servers "$@" \
+  timeout 590 python3 eval/bench_serving.py --model-path "$DUMMY" --out "$OUT" --name "$name" --servers "$@" \
     --contexts long=49152 --sessions 24 --concurrency 24 --questions 5 --max-tokens 64 --ignore-eos --doc-text vocab \
-    --replay-timeout 200 -- --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
+    --duration "${BENCH_SECONDS:-240}" --replay-timeout "$(( ${BENCH_SECONDS:-240} + 90 ))" \
+    -- --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
 }
 stage_soak() {
   timeout 590 python3 eval/soak.py --model-path "$DUMMY" --out "$OUT" --minutes "${SOAK_MINUTES:-7}" --doc-text vocab \
     --profile "$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json -- --load-format dummy \
     --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
 }
+stage_extend() { (cd /tmp && timeout 300 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 stage_stephost() {
   (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --out "$OUT" 2>&1 | tail -12)
 }

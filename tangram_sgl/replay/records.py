@@ -20,6 +20,7 @@ class TurnRecord:
 
     Times are seconds. ``cached_tokens`` is the prompt prefix the engine reused from its cache (the
     endpoint's ``usage.prompt_tokens_details.cached_tokens``; None when the endpoint does not report it).
+    ``cut``: the turn was in flight when a ``--duration`` replay ended; it is neither served nor an error.
     ``kv_bytes_kept`` / ``kv_bytes_pages`` / ``kv_bytes_full`` are filled by the reference engine only:
     K+V bytes of the tokens the conversation's heads keep after the turn, of the pages holding them, and of
     the same tokens uncompressed (see :class:`tangram_sgl.replay.reference_engine.KVFootprint`).
@@ -40,10 +41,11 @@ class TurnRecord:
     kv_bytes_kept: int | None = None
     kv_bytes_pages: int | None = None
     kv_bytes_full: int | None = None
+    cut: bool = False  # still running when a fixed-duration replay ended (neither served nor an error)
 
     @property
     def ok(self) -> bool:
-        return self.error is None
+        return self.error is None and not self.cut
 
 
 def _percentiles(values: Sequence[float]) -> dict[str, float] | None:
@@ -61,10 +63,12 @@ def summarize(records: Sequence[TurnRecord], wall_s: float) -> dict[str, Any]:
     prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
     reported = [r for r in ok if r.cached_tokens is not None]
     cached = sum(r.cached_tokens for r in reported)
+    cut = sum(r.cut for r in records)
     summary: dict[str, Any] = {
         "turns": len(records),
         "turns_ok": len(ok),
-        "errors": len(records) - len(ok),
+        "turns_cut": cut,
+        "errors": len(records) - len(ok) - cut,
         "sessions": len({r.session for r in records}),
         "wall_s": wall_s,
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
