@@ -329,10 +329,16 @@ def tune_triton(shape: Shape, dev: str, gen: torch.Generator) -> dict:
     return {"shapes": [list(x) for x in shapes], "times_ms": times, "best": list(best)}
 
 
+# where the CTA target is studied: the tune points, plus batch 16 / 32 / 64 at both ends of the budget range
+# (the first study found 528 best at the anchor and 1056 at batch 64, budget 1.0: ~16.5 CTAs per request)
+STUDY_POINTS = (ANCHOR, FULL_BUDGET_TUNE_POINT, (16, 32768, 0.25), (16, 32768, 1.0), (32, 32768, 1.0),
+                (64, 32768, 0.25))
+
+
 def target_ctas_study(shape: Shape, dev: str, tune: tuple[int, int, int], gen: torch.Generator) -> list[dict]:
-    """Triton decode at the tune points with AOT tables built for other CTA targets (the table's one knob)."""
+    """Triton decode at the study points with AOT tables built for other CTA targets (the table's one knob)."""
     rows = []
-    for batch, context, budget in (ANCHOR, FULL_BUDGET_TUNE_POINT):
+    for batch, context, budget in STUDY_POINTS:
         for t in (DEFAULT_TARGET_CTAS // 4, DEFAULT_TARGET_CTAS // 2, DEFAULT_TARGET_CTAS, 2 * DEFAULT_TARGET_CTAS):
             r = run_config(shape, synthetic_profile(shape, budget, t), batch, context, dev, tune, False, gen, False)
             rows.append({"batch": batch, "context": context, "mean_budget": budget, "target_ctas": t,

