@@ -4,7 +4,7 @@ For every (server, context class) pair: start the server, replay long shared-con
 of the class's length + question turns, ``tangram-sgl replay --workload long``) at a fixed concurrency with
 the history resent every turn, then read what the server holds. Reported per run: requests/s, output
 tokens/s, TTFT/TPOT percentiles, cache-hit ratio, errors, the server's ``max_total_num_tokens`` and GPU
-memory, and the sessions its KV memory holds at once:
+memory, and the sessions its KV memory holds at once (plot: throughput and TTFT per server, ``<name>.png``):
 
 - stock: ``max_total_num_tokens / tokens per session`` (full KV);
 - tangram: the same, divided by the kept fraction the ``sglang:tangram_kv_kept_bytes / kv_full_bytes``
@@ -122,6 +122,33 @@ def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
     return runs, dict(first["data"]["args"]), {"versions": first["versions"], "device": first["device"]}
 
 
+def plot(runs: list[dict], path: Path) -> None:
+    """Output tokens/s and TTFT p50/p90 of every run that finished, one bar group per server and context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in runs if "summary" in r]
+    labels = [f"{r['label']}\n{r['context']}" for r in done]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.bar(labels, [r["summary"]["output_tokens_per_s"] for r in done], color="tab:blue")
+    a1.set_ylabel("output tokens/s")
+    a1.set_title("throughput")
+    x = range(len(done))
+    ttft = [r["summary"].get("ttft_s") or {} for r in done]
+    a2.bar([i - 0.2 for i in x], [t.get("p50", 0) for t in ttft], width=0.4, label="p50")
+    a2.bar([i + 0.2 for i in x], [t.get("p90", 0) for t in ttft], width=0.4, label="p90")
+    a2.set_xticks(list(x), labels)
+    a2.set_ylabel("TTFT (s)")
+    a2.set_title("time to first token")
+    a2.legend()
+    for ax in (a1, a2):
+        ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path")
@@ -175,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                                                round(r["sessions_in_memory"] / base["sessions_in_memory"], 2), "x",
                                                "report"))
     path = write_result(a.name, {"runs": runs, "args": run_args}, summary, directory=a.out, measured_on=measured_on)
+    plot(runs, path.with_suffix(".png"))
     print(json.dumps(summary, indent=1))
     print("wrote", path)
     return 0
