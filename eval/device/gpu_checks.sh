@@ -14,6 +14,7 @@
 #           merge the returned JSONs here with `python eval/bench_serving.py --merge ...`
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
 #   stephost  eval/bench_step_host.py: host metadata time per decode / extend step vs the GPU attention (no server)
+#   kernels  eval/bench_kernels.py: decode CTA-target study and Triton grid (no FlashInfer)
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -uo pipefail
@@ -82,6 +83,9 @@ stage_soak() {
     --profile "$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json -- --load-format dummy \
     --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
 }
+# the decode kernel's CTA-target study + Triton-only grid (FlashInfer baselines: drop --no-flashinfer, ~2x longer)
+stage_kernels() { (cd /tmp && timeout 580 python3 "$R"/eval/bench_kernels.py --no-tune --no-flashinfer \
+  --batches 16,32,64 --contexts 32768,65536 --out "$OUT"/bench_kernels_ctas.json 2>&1 | tail -30); }
 stage_extend() { (cd /tmp && timeout 300 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 stage_stephost() {
   (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --out "$OUT" 2>&1 | tail -12)
