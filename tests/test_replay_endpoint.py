@@ -187,3 +187,17 @@ def test_cli_endpoint_mode_writes_results(fake_server, tmp_path):
     assert [t["output_tokens"] for t in doc["turns"]] == [4, 4]
     assert doc["turns"][1]["cached_tokens"] > 0
     assert doc["environment"]["torch"] and doc["command"]
+
+
+def test_cli_duration_window(fake_server, tmp_path):
+    """``--duration`` reaches the driver: the slow turn is cut, the run still exits 0 (a cut is no error)."""
+    from tangram_sgl.cli import main
+
+    convs = tmp_path / "c.json"
+    convs.write_text(json.dumps({"conversations": [{"id": "x", "turns": ["one", "SLOW", "three"]}]}))
+    out = tmp_path / "r.json"
+    rc = main(["replay", "--endpoint", fake_server, "--conversations", str(convs), "--output", str(out),
+               "--no-progress", "--duration", "1"])
+    doc = json.loads(out.read_text())
+    assert rc == 0 and doc["config"]["duration_s"] == 1.0
+    assert (doc["summary"]["turns_ok"], doc["summary"]["turns_cut"], doc["summary"]["errors"]) == (1, 1, 0)
