@@ -153,6 +153,22 @@ def test_extend_matches_reference(gqa, hkv, page, n_new, lengths, block_m):
     torch.testing.assert_close(out, ref, **F32_TOL)
 
 
+@pytest.mark.parametrize("block_m,block_n", [(128, 64), (128, 32), (128, 128), (64, 32)])
+def test_extend_long_chunk_block_configs_match_reference(block_m, block_n):
+    """The block configurations eval/bench_extend.py times for long chunks (a causal run past one block,
+    prefixes longer and shorter than a key block) agree with the reference."""
+    lengths, n_new = [[150, 40], [0, 9]], [140, 33]
+    k, v, indptr, indices = make_pool(lengths, page_size=16, heads_per_group=2, head_dim=32, seed=4)
+    hg, hc = layer_map(4, 2, 2)
+    qo = torch.tensor([0] + list(itertools.accumulate(n_new)), dtype=torch.int32)
+    q = torch.randn(sum(n_new), 16, 32)
+    kn, vn = torch.randn(sum(n_new), 4, 32), torch.randn(sum(n_new), 4, 32)
+    out = extend_attention(q, kn, vn, qo, max(n_new), k, v, indptr, indices, hg, hc, sm_scale=0.3,
+                           block_m=block_m, block_n=block_n, num_warps=8)
+    ref = extend_attention_torch(q, kn, vn, qo, k, v, indptr, indices, hg, hc, sm_scale=0.3)
+    torch.testing.assert_close(out, ref, **F32_TOL)
+
+
 @pytest.mark.parametrize("gqa,hkv,w,n,pool", [(4, 2, 8, 50, 7), (1, 3, 16, 16, 1), (3, 1, 5, 70, 3), (6, 1, 20, 33, 7), (8, 1, 1, 9, 1)])
 def test_snapkv_scores_matches_reference(gqa, hkv, w, n, pool):
     D = 32
