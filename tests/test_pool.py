@@ -182,6 +182,27 @@ def test_slot_list_cache_follows_every_growth():
     assert a.groups[0].slots(4).tolist() == [8, 9, 10, 11, 28, 29]
 
 
+def test_slot_lists_on_a_device_are_cached_per_list_state():
+    """Lists read on another device (``meta`` stands in for the GPU) are copied there once per list state
+    and dropped when the list grows; ``slot_lists`` concatenates the device copies (indptr stays on the host)."""
+    from tangram_sgl.pool.segment import GroupSlots
+
+    meta = torch.device("meta")
+    gs = GroupSlots([5], 3)
+    on_dev = gs.slots(4, device=meta)
+    assert on_dev.device == meta and on_dev.shape == (3,) and gs.slots(4, device=meta) is on_dev
+    gs.length += 1
+    assert gs.slots(4, device=meta) is not on_dev and gs.slots(4, device=meta).shape == (4,)
+    mgr = toy_manager(num_pages=64)
+    for rid, toks in (("a", list(range(1, 12))), ("b", list(range(20, 27)))):
+        mgr.admit(rid, toks)
+        prefill(mgr, rid, toks)
+    host_indptr, host_indices = mgr.slot_lists(["a", "b"])
+    indptr, indices = mgr.slot_lists(["a", "b"], meta)
+    assert indptr.device.type == "cpu" and torch.equal(indptr, host_indptr)
+    assert indices.device == meta and indices.shape == host_indices.shape
+
+
 def test_whole_segments_written_together_equal_one_by_one():
     """Segments every group keeps whole (short turns) written for several requests in one batch per layer
     land exactly where per-request ``write_segment_layer`` puts them; a compressed segment is refused."""

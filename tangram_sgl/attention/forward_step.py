@@ -130,9 +130,9 @@ class ForwardStep:
             self._decode_lists()
             self.splits, self.max_splits = ctx.decode_splits(len(self.rows))
         else:  # committed tokens only; new tokens are read from staging
-            indptr, indices = kv.slot_lists(self.rids)
+            indptr, self.kv_indices = kv.slot_lists(self.rids, dev)
             self.token_slots = kv.open_decode_slots(decode_rids, decode_token_ids).to(dev) if decode_rows else None
-            self.kv_indptr, self.kv_indices = indptr.to(dev), indices.to(dev)
+            self.kv_indptr = indptr.to(dev)
         lens = torch.tensor([r.n for r in self.rows], dtype=torch.int32)
         offsets = torch.zeros(len(self.rows) + 1, dtype=torch.int32)
         offsets[1:] = torch.cumsum(lens, 0)
@@ -156,8 +156,8 @@ class ForwardStep:
                 logger.warning("tangram: the device slot-list arena (%d entries) cannot hold this decode batch's "
                                "lists; they are built on the host (slow path, %d steps so far)",
                                kv.device_lists.capacity, kv.arena_fallback_steps)
-            indptr, indices = kv.slot_lists(self.rids)
-            ranges, self.kv_indices = csr_ranges(indptr), indices.to(dev)
+            indptr, self.kv_indices = kv.slot_lists(self.rids, dev)
+            ranges = csr_ranges(indptr)
         else:
             self.on_arena, self.kv_indices = True, kv.device_lists.arena
         self.kv_starts, self.kv_lens = (x.to(dev) for x in ranges)

@@ -400,28 +400,30 @@ class TangramKVManager:
         segs = [n.segment for n in SegmentTree.path(req.node)] + req.segments
         return segs + ([req.decode] if req.decode is not None and req.decode.n else [])
 
-    def _list_parts(self, rid: Hashable) -> list[list[torch.Tensor]]:
-        """Per group, the (cached) int32 slot tensors whose concatenation is ``rid``'s list (committed tokens
-        only; a segment being prefilled is read from its staging K/V)."""
+    def _list_parts(self, rid: Hashable, device: torch.device | None = None) -> list[list[torch.Tensor]]:
+        """Per group, the (cached) int32 slot tensors on ``device`` (default: the host) whose concatenation
+        is ``rid``'s list (committed tokens only; a segment being prefilled is read from its staging K/V)."""
         segs = self.request_segments(rid)
-        return [[s.groups[g].slots(self.page_size) for s in segs if s.groups[g].length]
+        return [[s.groups[g].slots(self.page_size, device=device) for s in segs if s.groups[g].length]
                 for g in range(self.num_groups)]
 
     def request_lists(self, rid: Hashable) -> list[torch.Tensor]:
-        """int32 slots of each group's list of ``rid``."""
+        """int32 slots of each group's list of ``rid`` (host)."""
         return [torch.cat(p) if p else torch.empty(0, dtype=torch.int32) for p in self._list_parts(rid)]
 
-    def slot_lists(self, rids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
-        """CSR ``(kv_indptr [R*G+1], kv_indices)`` int32: slots of (request r, group g) at
-        ``kv_indices[kv_indptr[r*G+g]:kv_indptr[r*G+g+1]]`` (the :meth:`request_lists`, one concatenation)."""
+    def slot_lists(self, rids: Sequence[Hashable],
+                   device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """CSR ``(kv_indptr [R*G+1] on the host, kv_indices on device)`` int32: slots of (request r, group g)
+        at ``kv_indices[kv_indptr[r*G+g]:kv_indptr[r*G+g+1]]`` (the :meth:`request_lists`, one concatenation
+        of per-segment lists cached on ``device``: no host copy of whole lists per step)."""
         parts, lens = [], []
         for rid in rids:
-            for group_parts in self._list_parts(rid):
+            for group_parts in self._list_parts(rid, device):
                 parts += group_parts
                 lens.append(sum(len(x) for x in group_parts))
         indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
         indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
-        indices = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int32)
+        indices = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int32, device=device)
         return indptr, indices
 
     def _decode_room(self, req: RequestKV) -> list[int]:

@@ -22,28 +22,36 @@ class GroupSlots:
     """One (owner, group) slot list: ``length`` slots in use on ``pages`` (capacity ``len(pages)*page_size``).
 
     Lists only grow (pages appended, ``length`` raised) or are replaced whole, so the slot tensor of the
-    whole list is cached under ``(length, len(pages), last page)``: every decode step re-reads the same
-    committed lists.
+    whole list is cached under ``(length, len(pages), last page)``, on the host and on every device it was
+    asked for: every step re-reads the same committed lists, and a list reaches the GPU once per state
+    (4 bytes per slot beside the slot's K/V).
     """
 
     pages: list[int] = field(default_factory=list)
     length: int = 0
-    _cached: tuple[tuple[int, int, int, int], torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    _cached: tuple[tuple[int, int, int, int], dict[torch.device, torch.Tensor]] | None = field(
+        default=None, repr=False, compare=False)
 
-    def slots(self, page_size: int, begin: int = 0, end: int | None = None) -> torch.Tensor:
-        """int32 slot ids of slots ``[begin, end)`` (default: all in use), the kernels' index type."""
+    def slots(self, page_size: int, begin: int = 0, end: int | None = None,
+              device: torch.device | None = None) -> torch.Tensor:
+        """int32 slot ids of slots ``[begin, end)`` (default: all in use), the kernels' index type, on
+        ``device`` (default: the host)."""
+        dev = torch.device("cpu") if device is None else torch.device(device)
         whole = begin == 0 and end is None
         if whole:
             key = (self.length, len(self.pages), self.pages[-1] if self.pages else -1, page_size)
-            if self._cached is not None and self._cached[0] == key:
-                return self._cached[1]
-        end = self.length if end is None else end
+            if self._cached is None or self._cached[0] != key:
+                self._cached = (key, {torch.device("cpu"): self._compute(page_size, 0, self.length)})
+            copies = self._cached[1]
+            if dev not in copies:
+                copies[dev] = copies[torch.device("cpu")].to(dev)
+            return copies[dev]
+        return self._compute(page_size, begin, self.length if end is None else end).to(dev)
+
+    def _compute(self, page_size: int, begin: int, end: int) -> torch.Tensor:
         j = torch.arange(begin, end, dtype=torch.long)
         pages = torch.tensor(self.pages, dtype=torch.long)
-        out = (pages[j // page_size] * page_size + j % page_size if len(j) else j).to(torch.int32)
-        if whole:
-            self._cached = (key, out)
-        return out
+        return (pages[j // page_size] * page_size + j % page_size if len(j) else j).to(torch.int32)
 
 
 @dataclass
