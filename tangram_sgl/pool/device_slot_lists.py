@@ -112,8 +112,9 @@ class DeviceSlotLists:
 
     def upload(self, rid: Hashable, lists: Sequence[torch.Tensor], room: Sequence[int], version: int,
                tokens: int) -> bool:
-        """Mirror ``rid``'s whole lists (host int slot tensors, one per group) with ``room[g]`` spare entries
-        per group. False when the arena cannot hold them even after clearing every mirror."""
+        """Mirror ``rid``'s whole lists (int32 slot tensors, one per group, best on the arena's device) with
+        ``room[g]`` spare entries per group. False when the arena cannot hold them even after clearing every
+        mirror."""
         self.drop(rid)
         caps = [len(x) + r for x, r in zip(lists, room)]
         size = sum(caps)
@@ -124,11 +125,10 @@ class DeviceSlotLists:
         if block is None:
             return False
         starts = [block + sum(caps[:g]) for g in range(self.num_groups)]
-        if size:  # the block in one host-to-device copy
-            data = torch.zeros(size, dtype=torch.int32)
-            for s, x in zip(starts, lists):
-                data[s - block: s - block + len(x)] = torch.as_tensor(x)
-            self.arena[block: block + size].copy_(data)
+        if size:  # the block (each list, then its room as zeros) in one copy
+            dev = self.arena.device
+            self.arena[block: block + size].copy_(torch.cat([t for x, r in zip(lists, room) for t in (
+                torch.as_tensor(x, dtype=torch.int32, device=dev), torch.zeros(r, dtype=torch.int32, device=dev))]))
         self.mirrors[rid] = SlotMirror(block, size, starts, caps, [len(x) for x in lists], version, tokens)
         return True
 

@@ -407,9 +407,10 @@ class TangramKVManager:
         return [[s.groups[g].slots(self.page_size, device=device) for s in segs if s.groups[g].length]
                 for g in range(self.num_groups)]
 
-    def request_lists(self, rid: Hashable) -> list[torch.Tensor]:
-        """int32 slots of each group's list of ``rid`` (host)."""
-        return [torch.cat(p) if p else torch.empty(0, dtype=torch.int32) for p in self._list_parts(rid)]
+    def request_lists(self, rid: Hashable, device: torch.device | None = None) -> list[torch.Tensor]:
+        """int32 slots of each group's list of ``rid``, on ``device`` (default: the host)."""
+        return [torch.cat(p) if p else torch.empty(0, dtype=torch.int32, device=device)
+                for p in self._list_parts(rid, device)]
 
     def slot_lists(self, rids: Sequence[Hashable],
                    device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -446,7 +447,8 @@ class TangramKVManager:
                 if dl.current(req.rid, req.version, n) or (
                         dl.current(req.rid, req.version, n - 1) and dl.can_append(req.rid)):
                     continue
-                if not dl.upload(req.rid, self.request_lists(req.rid), self._decode_room(req), req.version, n):
+                if not dl.upload(req.rid, self.request_lists(req.rid, self.pool.device), self._decode_room(req),
+                                 req.version, n):
                     return None
             if all(req.rid in dl.mirrors for req in reqs):
                 break
