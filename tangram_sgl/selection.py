@@ -19,10 +19,11 @@ def protected_count(n: int, start: int, sink: int, window: int) -> int:
     return min(n, max(0, min(n, sink - start)) + max(0, min(n, window)))
 
 
-def select_kept_ragged(scores: torch.Tensor, ks: Sequence[int], start: int, sink: int,
-                       window: int) -> torch.Tensor:
+def select_kept_ragged(scores: torch.Tensor, ks: Sequence[int], start: int, sink: int, window: int,
+                       ks_on_device: torch.Tensor | None = None) -> torch.Tensor:
     """int64 ``[H, max(ks)]``: row h holds the ``ks[h]`` segment-relative positions head h keeps, ascending
-    (entries past ``ks[h]`` are ``n``). No host synchronisation.
+    (entries past ``ks[h]`` are ``n``). No host synchronisation when ``ks_on_device`` (``ks`` as a tensor on
+    the scores' device) is given; without it ``ks`` is copied there, which waits for the device's queue.
 
     Each ``ks[h]`` comes from :func:`tangram_sgl.budget.kept_tokens` and is at least the protected count, so
     every protected position is kept and the remaining slots go to the highest scores (ties broken by lower
@@ -40,7 +41,9 @@ def select_kept_ragged(scores: torch.Tensor, ks: Sequence[int], start: int, sink
     key = scores.float().masked_fill(prot[None, :], float("inf"))
     order = torch.sort(key, dim=1, descending=True, stable=True).indices
     rank = torch.arange(n, device=scores.device)[None, :]
-    take = rank < torch.tensor(list(ks), device=scores.device)[:, None]
+    if ks_on_device is None:
+        ks_on_device = torch.tensor(list(ks), device=scores.device)
+    take = rank < ks_on_device[:, None]
     return torch.where(take, order, n).sort(dim=1).values[:, :max(ks, default=0)]
 
 

@@ -28,7 +28,7 @@ from tangram_sgl.patches.cuda_graph import can_run_graph_around
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tangram_sgl.attention.backend import TangramAttnBackend
-from tangram_sgl.attention.forward_step import StepError
+from tangram_sgl.attention.forward_step import AttentionContext, StepError, StepRow
 from tangram_sgl.budget import kept_tokens
 from tangram_sgl.pool.invariants import check_invariants
 from tangram_sgl.pool.kv_manager import TangramKVManager
@@ -756,3 +756,33 @@ def test_retraction_and_readmission_keep_requests_isolated(budget, monkeypatch):
     check_invariants(h.kv, deep=True)
     if budget == 1.0:
         assert repredicted == so_far[-1] and answer == uninterrupted
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="host-GPU synchronisation exists only on a CUDA device (GPU test stage)")
+def test_extend_layers_never_synchronise_the_host():
+    """Once a step's metadata is built, its per-layer work for compressed segments (extend kernel, SnapKV
+    scores, selection, segment writes) only queues GPU work: CUDA's sync debug mode raises on any host wait
+    (a device copy of per-layer kept counts was one, per row and layer, until the counts lived on the GPU)."""
+    model = tiny_llama(3)
+    profile = mixed_profile(model.config, 4, 2, seed=11)
+    kv = TangramKVManager.from_profile(profile, 400, dtype=torch.float16, device=DEV)
+    ctx = AttentionContext.create(kv, profile)
+    rows = []
+    for rid, n in (("a", 40), ("b", 25)):
+        toks = list(range(1, n + 1))
+        kv.admit(rid, toks)
+        kv.reserve(rid, toks)
+        rows.append(StepRow(rid, 0, n, False))
+    step = ctx.step(rows)
+    assert all(step.compress.values())
+    q = torch.randn(65, HEADS, HEAD_DIM, device=DEV, dtype=torch.float16)
+    k, v = (torch.randn(65, KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.float16) for _ in range(2))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for layer in range(LAYERS):
+            step.attend(layer, q, k, v, HEAD_DIM ** -0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    step.commit()
+    check_invariants(kv, deep=True)

@@ -260,7 +260,9 @@ class TangramKVManager:
             table[g, :k] = gs.slots(self.page_size, 0, k)
         dev = self.pool.device
         kept = torch.full((self.num_groups, self.layout.heads_per_group, kmax), -1, dtype=torch.int32, device=dev)
-        req.pending = PendingSegment(start, list(new_token_ids), counts, groups, set(), table.to(dev), kept)
+        head_counts = torch.tensor(counts, device=dev)[self._head_group]  # [L, H]: one copy per segment
+        req.pending = PendingSegment(start, list(new_token_ids), counts, groups, set(), table.to(dev), head_counts,
+                                     kept)
         req.token_ids += list(new_token_ids)
         return counts
 
@@ -283,8 +285,9 @@ class TangramKVManager:
         if all(x == n for x in ks):
             kept = torch.arange(n, device=dev).expand(len(ks), n)
         else:
-            kept = select_kept_ragged(scores, ks, pend.start, self.sink_tokens, self.recent_window).to(dev)
-        total, counts = sum(ks), torch.tensor(ks, device=dev)
+            kept = select_kept_ragged(scores.to(dev), ks, pend.start, self.sink_tokens, self.recent_window,
+                                      pend.head_counts[layer])
+        total, counts = sum(ks), pend.head_counts[layer]
         head = torch.repeat_interleave(torch.arange(len(ks), device=dev), counts, output_size=total)
         j = torch.arange(total, device=dev) - (torch.cumsum(counts, 0) - counts)[head]  # rank among the head's kept
         pos = kept[head, j]

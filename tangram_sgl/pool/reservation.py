@@ -40,8 +40,10 @@ class PendingSegment:
     """Pages reserved for a segment whose K/V is being written layer by layer.
 
     On the pool's device while it is written: ``slot_table`` int64 ``[G, max k_g]`` (group g's reserved
-    slots for kept tokens 0..k_g-1) and ``kept_table`` int32 ``[G, H_p, max k_g]`` (the kept positions of
-    each member, filled layer by layer, -1 elsewhere), copied to the host once, at commit (``host_kept``).
+    slots for kept tokens 0..k_g-1), ``head_counts`` int64 ``[L, H_kv]`` (k_g of each (layer, kv head)'s
+    group: the per-layer writes read it instead of copying counts to the device, which would synchronise the
+    host with the GPU) and ``kept_table`` int32 ``[G, H_p, max k_g]`` (the kept positions of each member,
+    filled layer by layer, -1 elsewhere), copied to the host once, at commit (``host_kept``).
     """
 
     start: int
@@ -50,6 +52,7 @@ class PendingSegment:
     groups: list[GroupSlots]
     layers_written: set[int]
     slot_table: torch.Tensor
+    head_counts: torch.Tensor
     kept_table: torch.Tensor
 
     def host_kept(self, members: list[int]) -> list[torch.Tensor]:
