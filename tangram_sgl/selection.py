@@ -20,10 +20,12 @@ def protected_count(n: int, start: int, sink: int, window: int) -> int:
 
 
 def select_kept_ragged(scores: torch.Tensor, ks: Sequence[int], start: int, sink: int, window: int,
-                       ks_on_device: torch.Tensor | None = None) -> torch.Tensor:
+                       ks_on_device: torch.Tensor | None = None, protected: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """int64 ``[H, max(ks)]``: row h holds the ``ks[h]`` segment-relative positions head h keeps, ascending
     (entries past ``ks[h]`` are ``n``). No host synchronisation when ``ks_on_device`` (``ks`` as a tensor on
     the scores' device) is given; without it ``ks`` is copied there, which waits for the device's queue.
+    ``protected``: :func:`protected_mask` of this segment, when the caller holds it already.
 
     Each ``ks[h]`` comes from :func:`tangram_sgl.budget.kept_tokens` and is at least the protected count, so
     every protected position is kept and the remaining slots go to the highest scores (ties broken by lower
@@ -36,7 +38,7 @@ def select_kept_ragged(scores: torch.Tensor, ks: Sequence[int], start: int, sink
     for k in ks:
         if not prot_n <= k <= n:
             raise ValueError(f"cannot keep {k} of {n} tokens with {prot_n} protected")
-    prot = protected_mask(n, start, sink, window, scores.device)
+    prot = protected_mask(n, start, sink, window, scores.device) if protected is None else protected
     # Protected positions rank above every score; a stable sort breaks ties by lower position.
     key = scores.float().masked_fill(prot[None, :], float("inf"))
     order = torch.sort(key, dim=1, descending=True, stable=True).indices

@@ -23,11 +23,11 @@ from tangram_sgl.budget import pages_for
 from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.pool.device_slot_lists import DeviceSlotLists
 from tangram_sgl.pool.group_page_pool import GroupPagePool
-from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, segment_kept_counts
+from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, SegmentWrites, segment_kept_counts
 from tangram_sgl.pool.segment import GroupSlots, Segment
 from tangram_sgl.profile import TangramProfile
 from tangram_sgl.radix.tree import SegmentNode, SegmentTree
-from tangram_sgl.selection import select_kept_ragged
+from tangram_sgl.selection import protected_mask, select_kept_ragged
 
 
 @dataclass(frozen=True)
@@ -260,9 +260,9 @@ class TangramKVManager:
             table[g, :k] = gs.slots(self.page_size, 0, k)
         dev = self.pool.device
         kept = torch.full((self.num_groups, self.layout.heads_per_group, kmax), -1, dtype=torch.int32, device=dev)
-        head_counts = torch.tensor(counts, device=dev)[self._head_group]  # [L, H]: one copy per segment
-        req.pending = PendingSegment(start, list(new_token_ids), counts, groups, set(), table.to(dev), head_counts,
-                                     kept)
+        req.pending = PendingSegment(start, list(new_token_ids), counts, groups, set(), table.to(dev), kept)
+        if not req.pending.full:  # the per-layer writes' targets, prepared here: outside the forward
+            self._prepare_writes(req.pending)
         req.token_ids += list(new_token_ids)
         return counts
 
@@ -281,20 +281,30 @@ class TangramKVManager:
         if k.shape[1] != n or scores.shape[1] != n:
             raise ValueError(f"segment has {n} tokens, got K {tuple(k.shape)} and scores {tuple(scores.shape)}")
         dev = self.pool.device
+        if pend.writes is None:  # a segment kept whole, written per request (batched callers use full_segment_writes)
+            self._prepare_writes(pend)
+        entries, counts = pend.writes.layer(layer)
         ks = [pend.kept_counts[g] for g in self.layout.layers[layer].group]  # per kv head of the layer
+        head, rank = pend.writes.head[entries], pend.writes.rank[entries]
         if all(x == n for x in ks):
-            kept = torch.arange(n, device=dev).expand(len(ks), n)
+            pos = rank
         else:
             kept = select_kept_ragged(scores.to(dev), ks, pend.start, self.sink_tokens, self.recent_window,
-                                      pend.head_counts[layer])
-        total, counts = sum(ks), pend.head_counts[layer]
-        head = torch.repeat_interleave(torch.arange(len(ks), device=dev), counts, output_size=total)
-        j = torch.arange(total, device=dev) - (torch.cumsum(counts, 0) - counts)[head]  # rank among the head's kept
-        pos = kept[head, j]
-        group, column = self._head_group[layer][head], self._head_column[layer][head]
-        self.pool.write(pend.slot_table[group, j], column, k.to(dev)[head, pos], v.to(dev)[head, pos])
-        pend.kept_table[group, column, j] = pos.to(torch.int32)
+                                      counts, pend.protected)
+            pos = kept[head, rank]
+        column = pend.writes.column[entries]
+        k, v = k.to(dev), v.to(dev)
+        self.pool.write(pend.writes.slot[entries], column, k[head, pos], v[head, pos])
+        pend.kept_table[pend.writes.group[entries], column, rank] = pos.to(torch.int32)
         pend.layers_written.add(layer)
+
+    def _prepare_writes(self, pend: PendingSegment) -> None:
+        """Every layer's write targets of ``pend`` and the positions all its heads keep (host-to-device copies
+        that synchronise, once per segment)."""
+        pend.writes = SegmentWrites.build(pend.kept_counts, [layer.group for layer in self.layout.layers],
+                                          self._head_group, self._head_column, pend.slot_table)
+        pend.protected = protected_mask(len(pend.token_ids), pend.start, self.sink_tokens, self.recent_window,
+                                        self.pool.device)
 
     def full_segment_writes(self, rids: Sequence[Hashable], starts: Sequence[int]) -> FullSegmentWrites:
         """The writes of the pending segments of ``rids`` — each kept whole by every group — whose tokens are

@@ -35,15 +35,56 @@ def pages_per_group(
     return [pages_for(k, ps) + dec for k in segment_kept_counts(layout, n_new, start, sink, window)]
 
 
+@dataclass(frozen=True)
+class SegmentWrites:
+    """Where every layer's kept tokens of one segment go, fixed before any score is known.
+
+    One entry per (layer, kv head, rank j < k of the head's group), layer-major; layer l's entries are
+    ``[bounds[l], bounds[l+1])``. ``head``, ``rank``, ``group``, ``column``, ``slot`` (int64, on the pool's
+    device): the entry's kv head, its rank among the head's kept tokens, the head's group and column, and the
+    reserved slot. ``counts`` int64 ``[L, H_kv]``: k of each (layer, kv head). Built once per segment, so a
+    layer's write is a few gathers and scatters, with no host-to-device copy (which would wait for the GPU).
+    """
+
+    bounds: list[int]
+    counts: torch.Tensor
+    head: torch.Tensor
+    rank: torch.Tensor
+    group: torch.Tensor
+    column: torch.Tensor
+    slot: torch.Tensor
+
+    @classmethod
+    def build(cls, kept_counts: list[int], layer_groups: list[list[int]], head_group: torch.Tensor,
+              head_column: torch.Tensor, slot_table: torch.Tensor) -> SegmentWrites:
+        """From k_g per group, each layer's kv head -> group list (host), the same maps as ``[L, H]`` device
+        tensors (group, column) and the ``[G, max k]`` reserved slots."""
+        L, H = head_group.shape
+        per_head = [[kept_counts[g] for g in row] for row in layer_groups]
+        bounds = [0]
+        for row in per_head:
+            bounds.append(bounds[-1] + sum(row))
+        dev = slot_table.device
+        counts = torch.tensor(per_head, dtype=torch.long, device=dev)
+        flat = counts.flatten()
+        lh = torch.repeat_interleave(torch.arange(L * H, device=dev), flat, output_size=bounds[-1])
+        rank = torch.arange(bounds[-1], device=dev) - (torch.cumsum(flat, 0) - flat)[lh]
+        group, column = head_group.flatten().long()[lh], head_column.flatten().long()[lh]
+        return cls(bounds, counts, lh % H, rank, group, column, slot_table[group, rank])
+
+    def layer(self, layer: int) -> tuple[slice, torch.Tensor]:
+        """(entry slice of ``layer``, its ``[H_kv]`` kept counts)."""
+        return slice(self.bounds[layer], self.bounds[layer + 1]), self.counts[layer]
+
+
 @dataclass
 class PendingSegment:
     """Pages reserved for a segment whose K/V is being written layer by layer.
 
     On the pool's device while it is written: ``slot_table`` int64 ``[G, max k_g]`` (group g's reserved
-    slots for kept tokens 0..k_g-1), ``head_counts`` int64 ``[L, H_kv]`` (k_g of each (layer, kv head)'s
-    group: the per-layer writes read it instead of copying counts to the device, which would synchronise the
-    host with the GPU) and ``kept_table`` int32 ``[G, H_p, max k_g]`` (the kept positions of each member,
-    filled layer by layer, -1 elsewhere), copied to the host once, at commit (``host_kept``).
+    slots for kept tokens 0..k_g-1), ``kept_table`` int32 ``[G, H_p, max k_g]`` (the kept positions of each
+    member, filled layer by layer, -1 elsewhere), copied to the host once, at commit (``host_kept``), and,
+    once the first compressed layer is written, its :class:`SegmentWrites` and protected-position mask.
     """
 
     start: int
@@ -52,8 +93,9 @@ class PendingSegment:
     groups: list[GroupSlots]
     layers_written: set[int]
     slot_table: torch.Tensor
-    head_counts: torch.Tensor
     kept_table: torch.Tensor
+    writes: SegmentWrites | None = None
+    protected: torch.Tensor | None = None
 
     def host_kept(self, members: list[int]) -> list[torch.Tensor]:
         """Per group g: int32 ``[members[g], k_g]`` kept positions on the host (one device copy)."""
