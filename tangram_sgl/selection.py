@@ -39,14 +39,22 @@ def select_kept_ragged(scores: torch.Tensor, ks: Sequence[int], start: int, sink
         if not prot_n <= k <= n:
             raise ValueError(f"cannot keep {k} of {n} tokens with {prot_n} protected")
     prot = protected_mask(n, start, sink, window, scores.device) if protected is None else protected
-    # Protected positions rank above every score; a stable sort breaks ties by lower position.
-    key = scores.float().masked_fill(prot[None, :], float("inf"))
-    order = torch.sort(key, dim=1, descending=True, stable=True).indices
-    rank = torch.arange(n, device=scores.device)[None, :]
     if ks_on_device is None:
         ks_on_device = torch.tensor(list(ks), device=scores.device)
-    take = rank < ks_on_device[:, None]
-    return torch.where(take, order, n).sort(dim=1).values[:, :max(ks, default=0)]
+    return select_kept_padded(scores[None], ks_on_device[None], prot[None], max(ks, default=0))[0]
+
+
+def select_kept_padded(scores: torch.Tensor, counts: torch.Tensor, protected: torch.Tensor, kmax: int) -> torch.Tensor:
+    """The same rule for several segments at once: ``scores`` ``[R, H, n]`` (a shorter segment padded with
+    ``-inf``), ``counts`` ``[R, H]`` kept tokens per head (each at most the row's length, at least its
+    protected count), ``protected`` bool ``[R, n]`` (padding not protected) -> int64 ``[R, H, kmax]``, each
+    head's kept positions ascending, then ``n``. Device work only (``kmax``: a host bound on ``counts``)."""
+    n = scores.shape[-1]
+    # Protected positions rank above every score; a stable sort breaks ties by lower position.
+    key = scores.float().masked_fill(protected[:, None, :], float("inf"))
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    take = torch.arange(n, device=scores.device) < counts[..., None]
+    return torch.where(take, order, n).sort(dim=-1).values[..., :kmax]
 
 
 def kept_positions_reference(scores: Sequence[float], k: int, start: int, sink: int, window: int) -> list[int]:

@@ -242,6 +242,47 @@ def test_whole_segments_written_together_equal_one_by_one():
         mgr.full_segment_writes(["c"], [0])
 
 
+def test_compressed_segments_written_together_equal_one_by_one():
+    """Compressed segments of different lengths and positions (one after a cached first turn, so its sink
+    differs) selected and written for all requests in one batch per layer land exactly where per-request
+    ``write_segment_layer`` puts them, with the same kept positions."""
+    first = list(range(200, 220))
+    seqs = {"a": list(range(1, 30)), "b": list(range(40, 52)), "c": list(range(60, 101))}
+
+    def filled(batched: bool):
+        mgr = toy_manager(256)
+        mgr.admit("b", first)
+        prefill(mgr, "b", first)  # b's new segment starts at 20
+        for rid, toks in seqs.items():
+            if rid != "b":
+                mgr.admit(rid, toks)
+            mgr.reserve(rid, toks)
+            assert not mgr.requests[rid].pending.full
+        starts = {rid: len(mgr.requests[rid].token_ids) - len(toks) for rid, toks in seqs.items()}
+        kvs = {rid: token_kv(mgr.requests[rid].token_ids, starts[rid], len(toks)) for rid, toks in seqs.items()}
+        scores = {rid: token_scores(mgr.requests[rid].token_ids, starts[rid], len(toks)) for rid, toks in seqs.items()}
+        k = torch.cat([kvs[r][0] for r in seqs], 2).permute(0, 2, 1, 3)  # [L, T, H, D] staging of all three
+        v = torch.cat([kvs[r][1] for r in seqs], 2).permute(0, 2, 1, 3)
+        offsets = [0, 29, 41]
+        if batched:
+            plan = mgr.compressed_segment_writes(list(seqs), offsets)
+            for layer in range(L):
+                mgr.write_compressed_segments_layer(plan, layer, k[layer], v[layer], [scores[r][layer] for r in seqs])
+        else:
+            for rid in seqs:
+                for layer in range(L):
+                    mgr.write_segment_layer(rid, layer, kvs[rid][0][layer], kvs[rid][1][layer], scores[rid][layer])
+        segs = {rid: mgr.commit_segment(rid) for rid in seqs}
+        check_invariants(mgr)
+        return mgr, segs
+
+    (one, one_segs), (all_, all_segs) = filled(False), filled(True)
+    assert torch.equal(one.pool.k_buffer, all_.pool.k_buffer) and torch.equal(one.pool.v_buffer, all_.pool.v_buffer)
+    for rid in seqs:
+        assert [x.tolist() for x in one_segs[rid].kept] == [x.tolist() for x in all_segs[rid].kept]
+    assert all_.pool.k_buffer.abs().sum() > 0
+
+
 @pytest.mark.parametrize("start,sink,window", [(0, 2, 3), (5, 8, 0), (100, 4, 7), (0, 0, 0)])
 def test_batched_selection_equals_the_plain_reference(start, sink, window):
     """``select_kept_ragged`` (all heads, each its own k, ties on purpose) keeps exactly what the plain-Python

@@ -13,10 +13,10 @@ Per layer (:meth:`ForwardStep.attend`):
   when the arena cannot hold them, host-built CSR lists (logged).
 - **extend or mixed batch**: the extend kernel attends each row's new tokens over [its committed slot
   lists ; its own staging K/V, causal]; then each extend row's segment is scored (the profile's scorer on
-  the segment's observation window) and ``write_segment_layer`` keeps each head's top-k_g tokens in the
-  reserved slots — except rows every group keeps whole (short turns, budget 1.0), written together in one
-  batch per layer (``full_segment_writes``); decode rows (mixed batches) write their token's K/V into their
-  decode slots.
+  the segment's observation window) and each head keeps its protected and top-scored tokens in the
+  reserved slots, all compressed rows in one batch per layer (``compressed_segment_writes``); rows every
+  group keeps whole (short turns, budget 1.0) are written together without selection
+  (``full_segment_writes``); decode rows (mixed batches) write their token's K/V into their decode slots.
 
 After the last layer the caller runs :meth:`ForwardStep.commit` (extend rows' segments become committed).
 """
@@ -141,9 +141,13 @@ class ForwardStep:
         self.max_new = int(lens.max())
         self.decode_index = torch.tensor([self.offsets[i] for i in decode_rows], dtype=torch.long, device=dev)
         self.compress = {i: not kv.requests[self.rids[i]].pending.full for i in self.extend_rows}
-        whole = [i for i in self.extend_rows if not self.compress[i]]  # written together, one batch per layer
+        whole = [i for i in self.extend_rows if not self.compress[i]]  # each kind written in one batch per layer
+        self.compressed = [i for i in self.extend_rows if self.compress[i]]
         self.whole_writes = kv.full_segment_writes([self.rids[i] for i in whole],
                                                    [self.offsets[i] for i in whole]) if whole else None
+        self.compressed_writes = kv.compressed_segment_writes(
+            [self.rids[i] for i in self.compressed], [self.offsets[i] for i in self.compressed]
+        ) if self.compressed else None
 
     def _decode_lists(self) -> None:
         """Decode-only step: (start, length) ranges of the lists in the device arena, the new token appended
@@ -195,13 +199,13 @@ class ForwardStep:
                                  self.kv_indptr, self.kv_indices, hg, hc, scale)
         if self.whole_writes is not None:
             kv.write_full_segments_layer(self.whole_writes, layer, k, v)
-        for i in self.extend_rows:
-            if not self.compress[i]:
-                continue
-            row, a, b = self.rows[i], self.offsets[i], self.offsets[i + 1]
-            ks, vs = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
-            scores = ctx.scorer.scores(q[a:b].transpose(0, 1), ks, vs, scale, row.start)
-            kv.write_segment_layer(row.rid, layer, ks, vs, scores)
+        if self.compressed_writes is not None:
+            scores = []
+            for i in self.compressed:
+                a, b = self.offsets[i], self.offsets[i + 1]
+                scores.append(ctx.scorer.scores(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                                v[a:b].transpose(0, 1), scale, self.rows[i].start))
+            kv.write_compressed_segments_layer(self.compressed_writes, layer, k, v, scores)
         if self.token_slots is not None:
             kv.write_token_layer(self.token_slots, layer, k[self.decode_index], v[self.decode_index])
         return out

@@ -25,20 +25,10 @@ from tangram_sgl.pool.device_slot_lists import DeviceSlotLists
 from tangram_sgl.pool.group_page_pool import GroupPagePool
 from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, SegmentWrites, segment_kept_counts
 from tangram_sgl.pool.segment import GroupSlots, Segment
+from tangram_sgl.pool.step_writes import CompressedWrites, FullSegmentWrites
 from tangram_sgl.profile import TangramProfile
 from tangram_sgl.radix.tree import SegmentNode, SegmentTree
-from tangram_sgl.selection import protected_mask, select_kept_ragged
-
-
-@dataclass(frozen=True)
-class FullSegmentWrites:
-    """Where every layer's K/V of segments that keep every token go, for several requests at once:
-    ``slots[l, h, i]`` receives staging row ``tokens[i]`` of kv head h in layer l (column ``columns[l, h]``)."""
-
-    rids: list[Hashable]
-    slots: torch.Tensor  # int64 [L, H, N] on the pool's device
-    columns: torch.Tensor  # int64 [L, H]
-    tokens: torch.Tensor  # int64 [N]: rows of the step's staging K/V
+from tangram_sgl.selection import protected_mask, select_kept_padded
 
 
 @dataclass(frozen=True)
@@ -271,8 +261,8 @@ class TangramKVManager:
         """Keep each kv head's top-k_g tokens of layer ``layer`` and write them into the reserved slots.
 
         ``k``, ``v``: ``[num_kv_heads, n, head_dim]`` staging K/V of the segment (RoPE applied);
-        ``scores``: ``[num_kv_heads, n]`` (not read when every head keeps the whole segment). All heads of the
-        layer in one batch of device work, without a host synchronisation.
+        ``scores``: ``[num_kv_heads, n]`` (its order matters only where a head drops tokens). One request;
+        a forward step writes all its rows together (:meth:`compressed_segment_writes`).
         """
         pend = self.requests[rid].pending
         if pend is None:
@@ -280,23 +270,41 @@ class TangramKVManager:
         n = len(pend.token_ids)
         if k.shape[1] != n or scores.shape[1] != n:
             raise ValueError(f"segment has {n} tokens, got K {tuple(k.shape)} and scores {tuple(scores.shape)}")
-        dev = self.pool.device
-        if pend.writes is None:  # a segment kept whole, written per request (batched callers use full_segment_writes)
+        if pend.writes is None:  # a segment kept whole (reserve prepares only compressed ones)
             self._prepare_writes(pend)
-        entries, counts = pend.writes.layer(layer)
-        ks = [pend.kept_counts[g] for g in self.layout.layers[layer].group]  # per kv head of the layer
-        head, rank = pend.writes.head[entries], pend.writes.rank[entries]
-        if all(x == n for x in ks):
-            pos = rank
-        else:
-            kept = select_kept_ragged(scores.to(dev), ks, pend.start, self.sink_tokens, self.recent_window,
-                                      counts, pend.protected)
-            pos = kept[head, rank]
-        column = pend.writes.column[entries]
+        self.write_compressed_segments_layer(CompressedWrites.single(pend), layer, k.transpose(0, 1),
+                                             v.transpose(0, 1), [scores])
+
+    def compressed_segment_writes(self, rids: Sequence[Hashable], starts: Sequence[int]) -> CompressedWrites:
+        """The writes of the pending segments of ``rids`` whose tokens are staging rows ``[starts[i],
+        starts[i] + n_i)`` (:meth:`write_compressed_segments_layer` runs them per layer, all rows at once)."""
+        pends = []
+        for rid in rids:
+            pend = self.requests[rid].pending
+            if pend is None:
+                raise ValueError(f"request {rid!r} has no reserved segment")
+            if pend.writes is None:
+                self._prepare_writes(pend)
+            pends.append(pend)
+        return CompressedWrites.build(pends, starts, self.layout.num_layers, self.pool.device)
+
+    def write_compressed_segments_layer(self, plan: CompressedWrites, layer: int, k: torch.Tensor, v: torch.Tensor,
+                                        scores: Sequence[torch.Tensor]) -> None:
+        """Layer ``layer`` of ``plan``'s segments: each head keeps its protected and top-scored tokens (row r's
+        scores ``[H_kv, n_r]``), written from the step's staging ``k``, ``v`` ``[T, H_kv, D]``. Device work
+        only, one batch for all rows."""
+        dev = self.pool.device
+        e = slice(plan.bounds[layer], plan.bounds[layer + 1])
+        row, head, rank, column = plan.row[e], plan.head[e], plan.rank[e], plan.column[e]
+        kept = select_kept_padded(plan.padded_scores(scores).to(dev), plan.counts[:, layer], plan.protected,
+                                  plan.kept.shape[-1])
+        pos = kept[row, head, rank]
+        tok = plan.offsets[row] + pos
         k, v = k.to(dev), v.to(dev)
-        self.pool.write(pend.writes.slot[entries], column, k[head, pos], v[head, pos])
-        pend.kept_table[pend.writes.group[entries], column, rank] = pos.to(torch.int32)
-        pend.layers_written.add(layer)
+        self.pool.write(plan.slot[e], column, k[tok, head], v[tok, head])
+        plan.kept[row, plan.group[e], column, rank] = pos.to(torch.int32)
+        for pend in plan.pendings:
+            pend.layers_written.add(layer)
 
     def _prepare_writes(self, pend: PendingSegment) -> None:
         """Every layer's write targets of ``pend`` and the positions all its heads keep (host-to-device copies

@@ -1,0 +1,109 @@
+"""Where one forward step's new segments go, for all its rows at once (one batch of device work per layer).
+
+A step's staging K/V is ``[T, H_kv, D]``, its rows' new tokens ragged along T. Two plans, built once per step
+from the rows' :class:`~tangram_sgl.pool.reservation.PendingSegment`s:
+
+- :class:`FullSegmentWrites`: segments every group keeps whole (short turns, budget 1.0): token i of head h
+  goes to its reserved slot, no selection;
+- :class:`CompressedWrites`: segments that drop tokens: per layer, the rows' scores are padded into one
+  ``[R, H, n_max]`` tensor, one selection ranks every head of every row (``select_kept_padded``), and one
+  gather/scatter writes all kept tokens. Every entry (row, layer, kv head, rank among the head's kept) is laid
+  out layer-major across rows, so a layer's entries are one slice; the targets come from each segment's
+  :class:`~tangram_sgl.pool.reservation.SegmentWrites`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tangram_sgl.pool.reservation import PendingSegment
+
+
+@dataclass(frozen=True)
+class FullSegmentWrites:
+    """Where every layer's K/V of segments that keep every token go, for several requests at once:
+    ``slots[l, h, i]`` receives staging row ``tokens[i]`` of kv head h in layer l (column ``columns[l, h]``)."""
+
+    rids: list[Hashable]
+    slots: torch.Tensor  # int64 [L, H, N] on the pool's device
+    columns: torch.Tensor  # int64 [L, H]
+    tokens: torch.Tensor  # int64 [N]: rows of the step's staging K/V
+
+
+@dataclass(frozen=True)
+class CompressedWrites:
+    """The kept-token writes of several compressed pending segments (see module docstring).
+
+    Entries of layer l: ``[bounds[l], bounds[l+1])`` of ``row`` (index into ``pendings``), ``head``, ``rank``,
+    ``group``, ``column``, ``slot`` (int64, on the pool's device). Per row: ``offsets`` (its first staging
+    row), ``lengths`` (host), ``counts`` ``[R, L, H]`` kept tokens per head, ``protected`` bool ``[R, n_max]``.
+    ``kept`` int32 ``[R, G, H_p, kmax]`` holds the rows' kept positions; each pending segment's
+    ``kept_table`` is a view of its row, so one scatter per layer fills them all.
+    """
+
+    pendings: list[PendingSegment]
+    lengths: list[int]
+    bounds: list[int]
+    row: torch.Tensor
+    head: torch.Tensor
+    rank: torch.Tensor
+    group: torch.Tensor
+    column: torch.Tensor
+    slot: torch.Tensor
+    offsets: torch.Tensor
+    counts: torch.Tensor
+    protected: torch.Tensor
+    kept: torch.Tensor
+
+    @classmethod
+    def build(cls, pendings: Sequence[PendingSegment], offsets: Sequence[int], num_layers: int,
+              device: torch.device) -> CompressedWrites:
+        """From the rows' pending segments (each with its ``writes`` prepared) and their first staging rows."""
+        per = [p.writes for p in pendings]
+        if any(w is None for w in per):
+            raise ValueError("every pending segment needs its SegmentWrites (TangramKVManager prepares them)")
+        own_start = np.cumsum([0] + [w.bounds[-1] for w in per])[:-1]
+        pieces, rows, bounds = [], [], [0]
+        for layer in range(num_layers):  # layer-major across rows: a permutation of the rows' own entries
+            for r, w in enumerate(per):
+                a, b = w.bounds[layer], w.bounds[layer + 1]
+                pieces.append(np.arange(own_start[r] + a, own_start[r] + b))
+                rows.append(np.full(b - a, r))
+            bounds.append(bounds[-1] + sum(len(x) for x in pieces[-len(per):]))
+        perm = torch.from_numpy(np.concatenate(pieces)).to(device)
+
+        def gathered(name: str) -> torch.Tensor:
+            return torch.cat([getattr(w, name) for w in per])[perm]
+
+        lengths = [len(p.token_ids) for p in pendings]
+        kept_widths = [p.kept_table.shape[-1] for p in pendings]
+        g, hp = pendings[0].kept_table.shape[:2]
+        kept = torch.full((len(pendings), g, hp, max(kept_widths)), -1, dtype=torch.int32, device=device)
+        for r, (p, width) in enumerate(zip(pendings, kept_widths)):
+            kept[r, :, :, :width] = p.kept_table  # anything already written (by another plan) carries over
+            p.kept_table = kept[r, :, :, :width]
+        return cls(list(pendings), lengths, bounds, torch.from_numpy(np.concatenate(rows)).to(device),
+                   gathered("head"), gathered("rank"), gathered("group"), gathered("column"), gathered("slot"),
+                   torch.tensor(list(offsets), dtype=torch.long, device=device),
+                   torch.stack([w.counts for w in per]),
+                   torch.nn.utils.rnn.pad_sequence([p.protected for p in pendings], batch_first=True), kept)
+
+    @classmethod
+    def single(cls, pend: PendingSegment) -> CompressedWrites:
+        """The plan of one segment whose staging rows start at 0 (its own entries, no permutation)."""
+        w = pend.writes
+        if w is None:
+            raise ValueError("the pending segment needs its SegmentWrites (TangramKVManager prepares them)")
+        dev = w.slot.device
+        return cls([pend], [len(pend.token_ids)], w.bounds, torch.zeros_like(w.head), w.head, w.rank, w.group,
+                   w.column, w.slot, torch.zeros(1, dtype=torch.long, device=dev), w.counts[None],
+                   pend.protected[None], pend.kept_table[None])
+
+    def padded_scores(self, scores: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The rows' ``[H, n_r]`` scores as one ``[R, H, n_max]`` tensor, padding ``-inf`` (never kept)."""
+        return torch.nn.utils.rnn.pad_sequence([s.t() for s in scores], batch_first=True,
+                                               padding_value=float("-inf")).transpose(1, 2)
