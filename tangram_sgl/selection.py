@@ -44,6 +44,12 @@ def select_kept_ragged(scores: torch.Tensor, ks: Sequence[int], start: int, sink
     return select_kept_padded(scores[None], ks_on_device[None], prot[None], max(ks, default=0))[0]
 
 
+def pad_scores(scores: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Several segments' ``[H, n_r]`` scores as one ``[R, H, max n_r]`` tensor, padding ``-inf`` (never kept)."""
+    return torch.nn.utils.rnn.pad_sequence([s.t() for s in scores], batch_first=True,
+                                           padding_value=float("-inf")).transpose(1, 2)
+
+
 def select_kept_padded(scores: torch.Tensor, counts: torch.Tensor, protected: torch.Tensor, kmax: int) -> torch.Tensor:
     """The same rule for several segments at once: ``scores`` ``[R, H, n]`` (a shorter segment padded with
     ``-inf``), ``counts`` ``[R, H]`` kept tokens per head (each at most the row's length, at least its

@@ -29,7 +29,12 @@ from tangram_sgl.kernels.flashinfer_decode import (
     pool_as_single_head_pages,
     pseudo_request_pages,
 )
-from tangram_sgl.kernels.scoring import snapkv_scores, snapkv_scores_torch
+from tangram_sgl.kernels.scoring import (
+    snapkv_scores,
+    snapkv_scores_ragged,
+    snapkv_scores_ragged_torch,
+    snapkv_scores_torch,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -167,6 +172,25 @@ def test_extend_long_chunk_block_configs_match_reference(block_m, block_n):
                            block_m=block_m, block_n=block_n, num_warps=8)
     ref = extend_attention_torch(q, kn, vn, qo, k, v, indptr, indices, hg, hc, sm_scale=0.3)
     torch.testing.assert_close(out, ref, **F32_TOL)
+
+
+@pytest.mark.parametrize("gqa,hkv,obs,lens,pool", [(4, 2, 8, [5, 40, 17], 7), (1, 3, 16, [16, 3], 1),
+                                                     (6, 1, 4, [9, 1, 30], 3)])
+def test_snapkv_scores_ragged_matches_reference(gqa, hkv, obs, lens, pool):
+    """Several segments of one step's staging scored in one launch pair: each row equals the one-segment
+    reference on its own tokens (a row shorter than the window uses all its tokens), -inf past its length."""
+    D = 32
+    offsets = [0, *itertools.accumulate(lens)]
+    q, k = torch.randn(offsets[-1], gqa * hkv, D), torch.randn(offsets[-1], hkv, D)
+    q_start = torch.tensor([o + n - min(obs, n) for o, n in zip(offsets, lens)], dtype=torch.int32)
+    k_start = torch.tensor(offsets[:-1], dtype=torch.int32)
+    n = torch.tensor(lens, dtype=torch.int32)
+    out = snapkv_scores_ragged(q, k, q_start, k_start, n, max(lens) + 3, obs_window=obs, scale=D**-0.5,
+                               pool_kernel=pool, block_n=16)
+    ref = snapkv_scores_ragged_torch(q, k, q_start, k_start, n, max(lens) + 3, obs_window=obs, scale=D**-0.5,
+                                     pool_kernel=pool)
+    assert out.shape == (len(lens), hkv, max(lens) + 3) and torch.isinf(out[0, :, lens[0]:]).all()
+    torch.testing.assert_close(out, ref, **SCORE_TOL)
 
 
 @pytest.mark.parametrize("gqa,hkv,w,n,pool", [(4, 2, 8, 50, 7), (1, 3, 16, 16, 1), (3, 1, 5, 70, 3), (6, 1, 20, 33, 7), (8, 1, 1, 9, 1)])

@@ -10,7 +10,7 @@ from tangram_sgl.budget import kept_tokens, pages_for
 from tangram_sgl.pool.invariants import InvariantViolation, check_invariants
 from tangram_sgl.pool.page_allocator import PageAllocator, PoolExhausted
 from tangram_sgl.pool.reservation import AdmissionError, pages_per_group
-from tangram_sgl.selection import kept_positions_reference, select_kept_ragged
+from tangram_sgl.selection import kept_positions_reference, pad_scores, select_kept_ragged
 
 
 def test_allocator_never_hands_out_page_zero_and_rejects_bad_frees():
@@ -267,7 +267,8 @@ def test_compressed_segments_written_together_equal_one_by_one():
         if batched:
             plan = mgr.compressed_segment_writes(list(seqs), offsets)
             for layer in range(L):
-                mgr.write_compressed_segments_layer(plan, layer, k[layer], v[layer], [scores[r][layer] for r in seqs])
+                mgr.write_compressed_segments_layer(plan, layer, k[layer], v[layer],
+                                                    pad_scores([scores[r][layer] for r in seqs]))
         else:
             for rid in seqs:
                 for layer in range(L):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tangram_sgl.attention.kernel_set import KernelSet
-from tangram_sgl.attention.segment_scoring import PreRope, SegmentScorer
+from tangram_sgl.attention.segment_scoring import PreRope, ScoredRows, SegmentScorer
 from tangram_sgl.kernels.decode import csr_ranges, launch_order
 from tangram_sgl.pool.kv_manager import TangramKVManager
 from tangram_sgl.profile import AotSplitTable, TangramProfile
@@ -145,9 +145,13 @@ class ForwardStep:
         self.compressed = [i for i in self.extend_rows if self.compress[i]]
         self.whole_writes = kv.full_segment_writes([self.rids[i] for i in whole],
                                                    [self.offsets[i] for i in whole]) if whole else None
-        self.compressed_writes = kv.compressed_segment_writes(
-            [self.rids[i] for i in self.compressed], [self.offsets[i] for i in self.compressed]
-        ) if self.compressed else None
+        self.compressed_writes = self.scored_rows = None
+        if self.compressed:
+            offs = [self.offsets[i] for i in self.compressed]
+            self.compressed_writes = kv.compressed_segment_writes([self.rids[i] for i in self.compressed], offs)
+            self.scored_rows = ScoredRows.build(offs, [self.rows[i].n for i in self.compressed],
+                                                [self.rows[i].start for i in self.compressed],
+                                                ctx.scorer.obs_window, dev)
 
     def _decode_lists(self) -> None:
         """Decode-only step: (start, length) ranges of the lists in the device arena, the new token appended
@@ -200,11 +204,7 @@ class ForwardStep:
         if self.whole_writes is not None:
             kv.write_full_segments_layer(self.whole_writes, layer, k, v)
         if self.compressed_writes is not None:
-            scores = []
-            for i in self.compressed:
-                a, b = self.offsets[i], self.offsets[i + 1]
-                scores.append(ctx.scorer.scores(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                                v[a:b].transpose(0, 1), scale, self.rows[i].start))
+            scores = ctx.scorer.scores_rows(q, k, v, scale, self.scored_rows)
             kv.write_compressed_segments_layer(self.compressed_writes, layer, k, v, scores)
         if self.token_slots is not None:
             kv.write_token_layer(self.token_slots, layer, k[self.decode_index], v[self.decode_index])

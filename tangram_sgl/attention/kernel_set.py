@@ -13,7 +13,12 @@ import torch
 
 from tangram_sgl.kernels.decode import paged_decode, paged_decode_torch
 from tangram_sgl.kernels.extend import extend_attention, extend_attention_torch
-from tangram_sgl.kernels.scoring import snapkv_scores, snapkv_scores_torch
+from tangram_sgl.kernels.scoring import (
+    snapkv_scores,
+    snapkv_scores_ragged,
+    snapkv_scores_ragged_torch,
+    snapkv_scores_torch,
+)
 
 KERNEL_SETS = ("torch", "triton")
 
@@ -64,3 +69,10 @@ class KernelSet:
         if self.name == "torch":
             return snapkv_scores_torch(q_obs, k, scale=scale, pool_kernel=pool_kernel)
         return snapkv_scores(q_obs.contiguous(), k.contiguous(), scale=scale, pool_kernel=pool_kernel)
+
+    def snapkv_ragged(self, q: torch.Tensor, k: torch.Tensor, q_start: torch.Tensor, k_start: torch.Tensor,
+                      lens: torch.Tensor, n_max: int, obs_window: int, scale: float, pool_kernel: int) -> torch.Tensor:
+        """SnapKV scores ``[R, Hkv, n_max]`` of several segments of a step's staging (see
+        ``tangram_sgl.kernels.scoring.snapkv_scores_ragged``)."""
+        fn = snapkv_scores_ragged_torch if self.name == "torch" else snapkv_scores_ragged
+        return fn(q, k, q_start, k_start, lens, n_max, obs_window=obs_window, scale=scale, pool_kernel=pool_kernel)

@@ -15,8 +15,30 @@ import torch
 
 from tangram_sgl.attention.kernel_set import KernelSet
 from tangram_sgl.scorers import SegmentTensors, SnapKVScorer, make_scorer
+from tangram_sgl.selection import pad_scores
 
 PRE_ROPE_SCORERS = frozenset({"expected_attention"})
+
+
+@dataclass(frozen=True)
+class ScoredRows:
+    """The rows of one step whose segments are scored: staging offsets, lengths and absolute starts (host),
+    and the ragged SnapKV kernel's row tensors on the device (``q_start``: each row's first window query),
+    built once per step so that no layer copies them."""
+
+    offsets: list[int]
+    lengths: list[int]
+    starts: list[int]
+    q_start: torch.Tensor
+    k_start: torch.Tensor
+    lens: torch.Tensor
+
+    @classmethod
+    def build(cls, offsets: list[int], lengths: list[int], starts: list[int], obs_window: int,
+              device: torch.device) -> ScoredRows:
+        q_start = [a + n - min(obs_window, n) for a, n in zip(offsets, lengths)]
+        rows = torch.tensor([q_start, offsets, lengths], dtype=torch.int32).to(device)
+        return cls(offsets, lengths, starts, rows[0], rows[1], rows[2])
 
 
 @dataclass(frozen=True)
@@ -58,3 +80,14 @@ class SegmentScorer:
         seg = SegmentTensors(q_obs=q_obs.float(), q_obs_pre=q_pre.float(), k=k.float(), v=v.float(),
                              scale=float(scale), start=start, inv_freq=inv_freq)
         return self.scorer.score(seg)
+
+    def scores_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    rows: ScoredRows) -> torch.Tensor:
+        """Scores ``[R, Hkv, max n_r]`` (``-inf`` past each row's length) of several segments of a step's
+        staging q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``: SnapKV in one ragged launch pair, other scorers per row."""
+        if isinstance(self.scorer, SnapKVScorer):
+            return self.kernels.snapkv_ragged(q, k, rows.q_start, rows.k_start, rows.lens, max(rows.lengths),
+                                              self.obs_window, scale, self.scorer.pool_kernel)
+        return pad_scores([self.scores(q[a:a + n].transpose(0, 1), k[a:a + n].transpose(0, 1),
+                                       v[a:a + n].transpose(0, 1), scale, start)
+                           for a, n, start in zip(rows.offsets, rows.lengths, rows.starts)])

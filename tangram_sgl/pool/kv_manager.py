@@ -273,7 +273,7 @@ class TangramKVManager:
         if pend.writes is None:  # a segment kept whole (reserve prepares only compressed ones)
             self._prepare_writes(pend)
         self.write_compressed_segments_layer(CompressedWrites.single(pend), layer, k.transpose(0, 1),
-                                             v.transpose(0, 1), [scores])
+                                             v.transpose(0, 1), scores[None])
 
     def compressed_segment_writes(self, rids: Sequence[Hashable], starts: Sequence[int]) -> CompressedWrites:
         """The writes of the pending segments of ``rids`` whose tokens are staging rows ``[starts[i],
@@ -289,14 +289,15 @@ class TangramKVManager:
         return CompressedWrites.build(pends, starts, self.layout.num_layers, self.pool.device)
 
     def write_compressed_segments_layer(self, plan: CompressedWrites, layer: int, k: torch.Tensor, v: torch.Tensor,
-                                        scores: Sequence[torch.Tensor]) -> None:
-        """Layer ``layer`` of ``plan``'s segments: each head keeps its protected and top-scored tokens (row r's
-        scores ``[H_kv, n_r]``), written from the step's staging ``k``, ``v`` ``[T, H_kv, D]``. Device work
-        only, one batch for all rows."""
+                                        scores: torch.Tensor) -> None:
+        """Layer ``layer`` of ``plan``'s segments: each head keeps its protected and top-scored tokens
+        (``scores`` ``[R, H_kv, >= max n_r]``, ``-inf`` past each row's length: see ``pad_scores``), written
+        from the step's staging ``k``, ``v`` ``[T, H_kv, D]``. Device work only, one batch for all rows."""
         dev = self.pool.device
         e = slice(plan.bounds[layer], plan.bounds[layer + 1])
         row, head, rank, column = plan.row[e], plan.head[e], plan.rank[e], plan.column[e]
-        kept = select_kept_padded(plan.padded_scores(scores).to(dev), plan.counts[:, layer], plan.protected,
+        n_max = plan.protected.shape[1]
+        kept = select_kept_padded(scores[..., :n_max].to(dev), plan.counts[:, layer], plan.protected,
                                   plan.kept.shape[-1])
         pos = kept[row, head, rank]
         tok = plan.offsets[row] + pos

@@ -102,8 +102,3 @@ class CompressedWrites:
         return cls([pend], [len(pend.token_ids)], w.bounds, torch.zeros_like(w.head), w.head, w.rank, w.group,
                    w.column, w.slot, torch.zeros(1, dtype=torch.long, device=dev), w.counts[None],
                    pend.protected[None], pend.kept_table[None])
-
-    def padded_scores(self, scores: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The rows' ``[H, n_r]`` scores as one ``[R, H, n_max]`` tensor, padding ``-inf`` (never kept)."""
-        return torch.nn.utils.rnn.pad_sequence([s.t() for s in scores], batch_first=True,
-                                               padding_value=float("-inf")).transpose(1, 2)
