@@ -1,7 +1,8 @@
 """Start an SGLang server (stock or tangram) as a child process, wait until it serves, stop it.
 
-Used by the GPU scripts (``serve_smoke.py``, ``exactness.py``): one command starts the server, drives it
-and collects its log, because a server started inside a device command dies when the command returns.
+Used by the GPU scripts (``serve_smoke.py``, ``exactness.py``, ...): one command starts the server, drives it
+and collects its log. The server runs in its own process session, so on the device it outlives a command
+that does not stop it (``eval/soak.py --phase start`` / ``--phase finish`` attach to it by ``pid``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class ServerProcess:
     port: int
     proc: subprocess.Popen | None = None
     started_s: float = field(default=0.0)
+    pid: int | None = None  # the server's process (and session) id; set alone when attaching to a running one
 
     @property
     def url(self) -> str:
@@ -46,15 +48,23 @@ class ServerProcess:
             # package (patches/ and kernels/ only exist under tangram_sgl once installed)
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                          cwd=self.log.parent)
-        self.started_s = time.time()
+        self.started_s, self.pid = time.time(), self.proc.pid
         return self
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        try:  # attached by pid (Linux): a process that exited but is not yet reaped counts as gone
+            return Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            return False
 
     def wait_ready(self, timeout_s: float = 600.0) -> float:
         """Seconds until ``/health_generate`` answers 200; raises with the log tail if the server dies."""
         t0 = time.time()
         while time.time() - t0 < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} before serving:\n{self.tail()}")
+            if not self.alive():
+                raise RuntimeError(f"server exited before serving:\n{self.tail()}")
             try:
                 if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
                     return time.time() - t0
@@ -71,14 +81,16 @@ class ServerProcess:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.pid is None or not self.alive():
             return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        os.killpg(self.pid, signal.SIGTERM)
+        deadline = time.time() + 60
+        while self.alive() and time.time() < deadline:
+            if self.proc is not None:
+                self.proc.poll()
+            time.sleep(0.5)
+        if self.alive():
+            os.killpg(self.pid, signal.SIGKILL)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -35,8 +36,7 @@ from results_io import summary_row, write_result
 from server_proc import TEMPLATES, ServerProcess, gauge, server_args
 
 
-def poll_metrics(url: str, stop: threading.Event, samples: list[dict], every_s: float) -> None:
-    t0 = time.time()
+def poll_metrics(url: str, stop: threading.Event, samples: list[dict], every_s: float, t0: float) -> None:
     while not stop.wait(every_s):
         try:
             text = requests.get(url + "/metrics", timeout=10).text
@@ -68,6 +68,8 @@ def disconnect_clients(url: str, model: str, stop: threading.Event, counts: dict
             counts.setdefault("examples", []).append(str(e)[:200])
 
 
+STATE = Path("/tmp/tangram_soak")  # the server log and the load so far between --phase start and finish ($OUT is
+# emptied before every device command; /tmp lasts as long as the machine)
 BATCH_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] (?:Prefill|Decode) batch")
 FLUSH_LINE = re.compile(r"tangram cache flushed: \d+ of \d+ pages free, (\d+) pages leaked, (\d+) slot-arena entries")
 
@@ -123,51 +125,76 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-total-tokens", type=int, default=40_000,
                    help="pool size in full-KV tokens: about half the kept KV of a long wave at budget 0.25")
     p.add_argument("--port", type=int, default=30300)
+    p.add_argument("--phase", choices=("all", "start", "finish"), default="all",
+                   help="start: start the server and load it for --minutes, leaving it running; finish: load the "
+                        "server --phase start left for --minutes more, then flush, check and report (a soak longer "
+                        "than one device command: the server's own process session outlives the first)")
     p.add_argument("server_extra", nargs="*", help="after --: more launch_server arguments")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     os.environ["TANGRAM_DEBUG_INVARIANTS"] = "1"  # inherited by the server's scheduler process
-    args = server_args(a.model_path, profile=a.profile, chat_template=str(TEMPLATES / "plain-chat.jinja"),
-                       extra=["--max-total-tokens", str(a.max_total_tokens), "--decode-log-interval", "10",
-                              "--soft-watchdog-timeout", "30", *a.server_extra])  # a batch over 30 s dumps stacks
-    server = ServerProcess(args, a.out / "server_soak.log", a.port)
-    samples: list[dict] = []
-    counts = {"disconnects": 0, "gave_up_waiting": 0, "disconnect_errors": 0}
-    waves: list[dict] = []
-    data: dict = {"args": {k: str(v) for k, v in vars(a).items()}}
-    with server:
-        data["ready_s"] = server.wait_ready()
-        model = server.served_model()
-        stop = threading.Event()
-        threads = [threading.Thread(target=poll_metrics, args=(server.url, stop, samples, 3.0), daemon=True),
-                   threading.Thread(target=disconnect_clients, args=(server.url, model, stop, counts), daemon=True)]
-        for t in threads:
-            t.start()
-        t_end = time.time() + a.minutes * 60
-        while time.time() < t_end and server.proc.poll() is None:
-            waves.append(replay_wave(server.url, model, a.model_path, len(waves), a))
-        stop.set()
-        for t in threads:
-            t.join(timeout=60)
-        data["server_alive"] = server.proc.poll() is None
-        if data["server_alive"]:
-            data["flush"] = requests.post(server.url + "/flush_cache", timeout=60).status_code
-            r = requests.post(server.url + "/generate", json={"text": "still there ?", "sampling_params": {
-                "max_new_tokens": 8}}, timeout=120)
-            data["after_soak_request"] = r.status_code
+    if a.phase == "finish":  # the server and the load so far, left by --phase start
+        data = json.loads((STATE / "state.json").read_text())
+        server = ServerProcess(data.pop("server_args"), Path(data.pop("log")), data.pop("port"), pid=data.pop("pid"))
+        if not server.alive():
+            raise SystemExit(f"the soak's server (pid {server.pid}) is gone: the machine was given back between "
+                             f"--phase start and --phase finish")
+    else:
+        args = server_args(a.model_path, profile=a.profile, chat_template=str(TEMPLATES / "plain-chat.jinja"),
+                           extra=["--max-total-tokens", str(a.max_total_tokens), "--decode-log-interval", "10",
+                                  "--soft-watchdog-timeout", "30", *a.server_extra])  # a batch over 30 s dumps stacks
+        log_dir = STATE if a.phase == "start" else a.out
+        STATE.mkdir(parents=True, exist_ok=True)
+        server = ServerProcess(args, log_dir / "server_soak.log", a.port).start()
+        data = {"args": {k: str(v) for k, v in vars(a).items()}, "t0": time.time(), "waves": [], "samples": [],
+                "disconnects": {"disconnects": 0, "gave_up_waiting": 0, "disconnect_errors": 0}}
+        try:
+            data["ready_s"] = server.wait_ready()
+        except Exception:
+            server.stop()
+            raise
+    waves, samples, counts = data["waves"], data["samples"], data["disconnects"]
+    model = server.served_model()
+    stop = threading.Event()
+    threads = [threading.Thread(target=poll_metrics, args=(server.url, stop, samples, 3.0, data["t0"]), daemon=True),
+               threading.Thread(target=disconnect_clients, args=(server.url, model, stop, counts), daemon=True)]
+    for t in threads:
+        t.start()
+    load_start = time.time()
+    while time.time() < load_start + a.minutes * 60 and server.alive():  # the last wave may run past it
+        waves.append(replay_wave(server.url, model, a.model_path, len(waves), a))
+    data["load_minutes"] = data.get("load_minutes", 0.0) + (time.time() - load_start) / 60
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    if a.phase == "start":  # leave the server running for --phase finish (its own session outlives this command)
+        (STATE / "state.json").write_text(json.dumps({**data, "server_args": server.args, "log": str(server.log),
+                                                      "port": server.port, "pid": server.pid}))
+        shutil.copy(server.log, a.out / "server_soak_start.log")
+        print(f"soak: {len(waves)} waves so far, server pid {server.pid} left running for --phase finish")
+        return 0
+    data["server_alive"] = server.alive()
+    if data["server_alive"]:
+        data["flush"] = requests.post(server.url + "/flush_cache", timeout=60).status_code
+        r = requests.post(server.url + "/generate", json={"text": "still there ?", "sampling_params": {
+            "max_new_tokens": 8}}, timeout=120)
+        data["after_soak_request"] = r.status_code
+    server.stop()
+    if server.log.parent != a.out:
+        shutil.copy(server.log, a.out / "server_soak.log")
     log = server.log.read_text(errors="replace")
     data["invariant_violations"] = log.count("InvariantViolation")
     data["tracebacks"] = log.count("Traceback (most recent call last)")
     flushed = FLUSH_LINE.findall(log)
     data["leaked_after_flush"] = {"pages": int(flushed[-1][0]), "arena_entries": int(flushed[-1][1])} if flushed else None
     data["longest_stall_s"] = longest_stall_s(log)
-    data["waves"], data["disconnects"], data["samples"] = waves, counts, samples
     turns = sum(w.get("turns_ok", 0) for w in waves)
     errors = sum(max(w.get("errors", 0), 0) for w in waves)
     plot(samples, a.out / "soak.png")
     lf = data["leaked_after_flush"]
     leaked = -1 if lf is None else lf["pages"] + lf["arena_entries"]  # -1: the flush line is missing
     summary = [
+        summary_row("soak: minutes of load", data["load_minutes"], "min", ">= 10", data["load_minutes"] >= 10),
         summary_row("soak: turns served", turns, "turns"),
         summary_row("soak: replay errors", errors, "", "0", errors == 0),
         summary_row("soak: client disconnects mid-generation", counts["disconnects"] + counts["gave_up_waiting"], ""),

@@ -13,6 +13,7 @@
 #           distinct documents, a ${BENCH_SECONDS:-240} s window each): stock flashinfer; tangram at r0.25, 1.0, 0.5;
 #           merge the returned JSONs here with `python eval/bench_serving.py --merge ...`
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
+#   soak_start, soak_finish   the same over two back-to-back calls (6.5 + 3.5 minutes of load on one server)
 #   stephost  eval/bench_step_host.py: host metadata time per decode / extend step vs the GPU attention (no server)
 #   kernels  eval/bench_kernels.py: decode CTA-target study and Triton grid (no FlashInfer)
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
@@ -78,8 +79,12 @@ bench_run() {
     --duration "${BENCH_SECONDS:-240}" --replay-timeout "$(( ${BENCH_SECONDS:-240} + 90 ))" \
     -- --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
 }
-stage_soak() {
-  timeout 590 python3 eval/soak.py --model-path "$DUMMY" --out "$OUT" --minutes "${SOAK_MINUTES:-7}" --doc-text vocab \
+stage_soak() { soak_run all "${SOAK_MINUTES:-7}"; }
+# a 10-minute soak over two calls, back to back: the server started by soak_start outlives its call
+stage_soak_start() { soak_run start "${SOAK_MINUTES:-6.5}"; }
+stage_soak_finish() { soak_run finish "${SOAK_MINUTES:-3.5}"; }
+soak_run() {
+  timeout 590 python3 eval/soak.py --phase "$1" --model-path "$DUMMY" --out "$OUT" --minutes "$2" --doc-text vocab \
     --profile "$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json -- --load-format dummy \
     --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
 }

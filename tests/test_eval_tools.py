@@ -1,0 +1,62 @@
+"""The GPU eval scripts' host-side logic, testable without a GPU: attaching to and stopping a server process
+left running by an earlier command, the soak's log figures, merging one-server bench results."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EVAL = Path(__file__).resolve().parent.parent / "eval"
+sys.path.insert(0, str(EVAL))
+
+import bench_serving
+import soak
+from server_proc import ServerProcess
+
+
+def test_server_left_running_is_attached_by_pid_and_stopped(tmp_path):
+    """What ``soak.py --phase finish`` does with the server ``--phase start`` left in its own session."""
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        attached = ServerProcess([], tmp_path / "log", 0, pid=proc.pid)
+        assert attached.alive()
+        attached.stop()
+        proc.wait(timeout=10)  # reap the zombie this test's process owns
+        assert not attached.alive()
+    finally:
+        proc.kill()
+
+
+def test_soak_log_figures():
+    lines = ["[2026-12-02 20:48:31] Prefill batch, #new-seq: 1, #new-token: 1120",
+             "[2026-12-02 20:48:40] INFO:     127.0.0.1 - GET /metrics",
+             "[2026-12-02 20:50:00] Decode batch, #running-req: 15",
+             "[2026-12-02 20:50:01] Decode batch, #running-req: 15",
+             ("[2026-12-02 20:52:57] tangram cache flushed: 99 of 100 pages free, 1 pages leaked, 0 slot-arena "
+              "entries leaked")]
+    log = "\n".join(lines)
+    assert soak.longest_stall_s(log) == 89.0
+    assert soak.FLUSH_LINE.findall(log) == [("1", "0")]
+
+
+def _bench_file(path: Path, sessions: str, device: str = "NVIDIA H200") -> Path:
+    args = {k: "x" for k in bench_serving.WORKLOAD_ARGS} | {"sessions": sessions}
+    run = {"server": "stock:flashinfer", "label": "stock_flashinfer", "context": "long", "doc_tokens": 49152,
+           "summary": {"output_tokens_per_s": 100.0, "ttft_s": None}}
+    path.write_text(json.dumps({"name": path.stem, "command": "c", "versions": {"sglang": "0.5.17"}, "device": device,
+                                "date": "2026-12-02", "data": {"runs": [run], "args": args}}))
+    return path
+
+
+def test_bench_results_merge_only_with_the_same_workload_and_device(tmp_path):
+    a, b = _bench_file(tmp_path / "a.json", "24"), _bench_file(tmp_path / "b.json", "24")
+    runs, _, measured_on = bench_serving.merged_runs([a, b])
+    assert len(runs) == 2 and runs[1]["measured_by"]["file"] == "b.json" and measured_on["device"] == "NVIDIA H200"
+    with pytest.raises(ValueError, match="sessions differ"):
+        bench_serving.merged_runs([a, _bench_file(tmp_path / "c.json", "16")])
+    with pytest.raises(ValueError, match="device differ"):
+        bench_serving.merged_runs([a, _bench_file(tmp_path / "d.json", "24", device="NVIDIA H100")])
