@@ -72,10 +72,6 @@ class SegmentWrites:
         group, column = head_group.flatten().long()[lh], head_column.flatten().long()[lh]
         return cls(bounds, counts, lh % H, rank, group, column, slot_table[group, rank])
 
-    def layer(self, layer: int) -> tuple[slice, torch.Tensor]:
-        """(entry slice of ``layer``, its ``[H_kv]`` kept counts)."""
-        return slice(self.bounds[layer], self.bounds[layer + 1]), self.counts[layer]
-
 
 @dataclass
 class PendingSegment:
@@ -83,8 +79,9 @@ class PendingSegment:
 
     On the pool's device while it is written: ``slot_table`` int64 ``[G, max k_g]`` (group g's reserved
     slots for kept tokens 0..k_g-1), ``kept_table`` int32 ``[G, H_p, max k_g]`` (the kept positions of each
-    member, filled layer by layer, -1 elsewhere), copied to the host once, at commit (``host_kept``), and,
-    once the first compressed layer is written, its :class:`SegmentWrites` and protected-position mask.
+    member, filled layer by layer, -1 elsewhere), copied to the host once, at commit (``host_kept``), and
+    its :class:`SegmentWrites` and protected-position mask (built at reservation for a segment that drops
+    tokens; on first use for one kept whole).
     """
 
     start: int

@@ -40,13 +40,12 @@ class CompressedWrites:
 
     Entries of layer l: ``[bounds[l], bounds[l+1])`` of ``row`` (index into ``pendings``), ``head``, ``rank``,
     ``group``, ``column``, ``slot`` (int64, on the pool's device). Per row: ``offsets`` (its first staging
-    row), ``lengths`` (host), ``counts`` ``[R, L, H]`` kept tokens per head, ``protected`` bool ``[R, n_max]``.
+    row), ``counts`` ``[R, L, H]`` kept tokens per head, ``protected`` bool ``[R, n_max]``.
     ``kept`` int32 ``[R, G, H_p, kmax]`` holds the rows' kept positions; each pending segment's
     ``kept_table`` is a view of its row, so one scatter per layer fills them all.
     """
 
     pendings: list[PendingSegment]
-    lengths: list[int]
     bounds: list[int]
     row: torch.Tensor
     head: torch.Tensor
@@ -79,14 +78,13 @@ class CompressedWrites:
         def gathered(name: str) -> torch.Tensor:
             return torch.cat([getattr(w, name) for w in per])[perm]
 
-        lengths = [len(p.token_ids) for p in pendings]
         kept_widths = [p.kept_table.shape[-1] for p in pendings]
         g, hp = pendings[0].kept_table.shape[:2]
         kept = torch.full((len(pendings), g, hp, max(kept_widths)), -1, dtype=torch.int32, device=device)
         for r, (p, width) in enumerate(zip(pendings, kept_widths)):
             kept[r, :, :, :width] = p.kept_table  # anything already written (by another plan) carries over
             p.kept_table = kept[r, :, :, :width]
-        return cls(list(pendings), lengths, bounds, torch.from_numpy(np.concatenate(rows)).to(device),
+        return cls(list(pendings), bounds, torch.from_numpy(np.concatenate(rows)).to(device),
                    gathered("head"), gathered("rank"), gathered("group"), gathered("column"), gathered("slot"),
                    torch.tensor(list(offsets), dtype=torch.long, device=device),
                    torch.stack([w.counts for w in per]),
@@ -99,6 +97,6 @@ class CompressedWrites:
         if w is None:
             raise ValueError("the pending segment needs its SegmentWrites (TangramKVManager prepares them)")
         dev = w.slot.device
-        return cls([pend], [len(pend.token_ids)], w.bounds, torch.zeros_like(w.head), w.head, w.rank, w.group,
+        return cls([pend], w.bounds, torch.zeros_like(w.head), w.head, w.rank, w.group,
                    w.column, w.slot, torch.zeros(1, dtype=torch.long, device=dev), w.counts[None],
                    pend.protected[None], pend.kept_table[None])
