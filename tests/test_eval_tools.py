@@ -13,6 +13,7 @@ import pytest
 EVAL = Path(__file__).resolve().parent.parent / "eval"
 sys.path.insert(0, str(EVAL))
 
+import accuracy_server
 import bench_serving
 import soak
 from server_proc import ServerProcess
@@ -60,3 +61,17 @@ def test_bench_results_merge_only_with_the_same_workload_and_device(tmp_path):
         bench_serving.merged_runs([a, _bench_file(tmp_path / "c.json", "16")])
     with pytest.raises(ValueError, match="device differ"):
         bench_serving.merged_runs([a, _bench_file(tmp_path / "d.json", "24", device="NVIDIA H100")])
+
+
+def test_accuracy_server_rebuilds_the_cpu_runs_conversations():
+    """The GPU accuracy check replays exactly the conversations the committed CPU run scored (same turns,
+    same expected answers), so its answers can be compared turn by turn."""
+    from transformers import AutoTokenizer
+
+    from tangram_sgl.models import smollm2_model_dir
+
+    cpu = json.loads((EVAL / "results" / "accuracy_cpu_n16.json").read_text())["data"]
+    convs = accuracy_server.rebuild_conversations(cpu, AutoTokenizer.from_pretrained(str(smollm2_model_dir())))
+    rebuilt = {(c.id, i): t.expected for c in convs for i, t in enumerate(c.turns)}
+    assert rebuilt == {(r["conversation"], r["turn"]): r["expected"] for r in cpu["turns"]}
+

@@ -15,6 +15,7 @@
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
 #   soak_start, soak_finish   the same over two back-to-back calls (6.5 + 3.5 minutes of load on one server)
 #   stephost  eval/bench_step_host.py: host metadata time per decode / extend step vs the GPU attention (no server)
+#   accuracy  eval/accuracy_server.py: SmolLM2 servers (stock triton, tangram r0.5) on the CPU accuracy run's conversations
 #   kernels  eval/bench_kernels.py: decode CTA-target study and Triton grid (no FlashInfer)
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 # Logs and JSON go to $OUT (the device tool brings them back).
@@ -92,6 +93,10 @@ soak_run() {
 stage_kernels() { (cd /tmp && timeout 580 python3 "$R"/eval/bench_kernels.py --no-tune --no-flashinfer \
   --batches 16,32,64 --contexts 32768,65536 --out "$OUT"/bench_kernels_ctas.json 2>&1 | tail -30); }
 stage_extend() { (cd /tmp && timeout 300 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
+# the GPU server's accuracy vs the CPU reference run, same conversations (after `smol`; ~3 min per server)
+stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \
+  --cpu "$R"/eval/results/accuracy_cpu_n16.json --servers stock:triton \
+  tangram:"$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.5.json 2>&1 | tail -40; }
 stage_stephost() {
   (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --out "$OUT" 2>&1 | tail -12)
 }

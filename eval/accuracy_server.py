@@ -1,0 +1,97 @@
+"""Accuracy on the GPU server vs the CPU reference path, on the same conversations (issue 5, GPU half).
+
+Rebuilds the exact conversations of a CPU run of ``eval/accuracy.py`` (its recorded tasks, seed, samples and
+sizes, with the served model's tokenizer), replays them through ``tangram-sgl replay`` against each server
+(greedy, the CPU run's answer limit; each server's own answers form its history, as on the CPU), and compares
+per method: the share of turns whose answer contains the expected text, and the share of turns whose answer
+is identical to the CPU method's. Server -> CPU method: ``stock:<backend>`` -> ``full``; ``tangram:<profile>``
+-> ``tangram@<profile target ratio>``. The CPU run is float32 and the server bf16, so identical answers are
+not expected everywhere (the greedy floor between two stock bf16 backends is in
+``eval/results/exactness_smollm2_floor.json``); the accuracies should agree within their intervals.
+
+    python eval/accuracy_server.py --model-path SMOL_DIR --cpu eval/results/accuracy_cpu_n16.json \
+        --servers stock:triton tangram:P05.json --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from accuracy import FULL_SIZES, QUICK_SIZES, TASK_BUILDERS, contains
+from results_io import summary_row, write_result
+from server_proc import ServerProcess, parse_server_spec, server_args
+
+from tangram_sgl.profile import load_profile
+from tangram_sgl.replay.conversation import conversation_to_dict
+
+
+def rebuild_conversations(cpu: dict, tokenizer) -> list:
+    """The conversations a CPU accuracy run (its results' ``data``) was scored on, rebuilt from its recorded
+    tasks, samples, seed and sizes."""
+    sizes = QUICK_SIZES if cpu["quick"] else FULL_SIZES
+    count_tokens = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return [c for t in cpu["tasks"] for c in TASK_BUILDERS[t](cpu["samples_per_task"], sizes, count_tokens,
+                                                                cpu["seed"])]
+
+
+def cpu_label(profile: str | None) -> str:
+    """The CPU method a server is compared with: full KV for stock SGLang, tangram at the profile's target."""
+    return "full" if profile is None else f"tangram@{load_profile(profile).target_ratio:g}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", required=True, help="the HF directory of the model the CPU run used")
+    p.add_argument("--cpu", type=Path, required=True, help="results JSON of eval/accuracy.py")
+    p.add_argument("--servers", nargs="+", required=True, help="stock:<attention backend> | tangram:<profile>")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--port", type=int, default=30400)
+    p.add_argument("server_extra", nargs="*", help="after --: more launch_server arguments")
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    cpu = json.loads(a.cpu.read_text())["data"]
+    convs = rebuild_conversations(cpu, AutoTokenizer.from_pretrained(a.model_path))
+    conv_file = a.out / "accuracy_conversations.json"
+    conv_file.write_text(json.dumps({"conversations": [conversation_to_dict(c) for c in convs]}))
+    cpu_turns = {(r["method"] if r["method"] == "full" else f"{r['method']}@{r['budget']:g}",
+                  r["conversation"], r["turn"]): r for r in cpu["turns"]}
+    runs, summary = [], []
+    for spec in a.servers:
+        label, profile, extra = parse_server_spec(spec)
+        server = ServerProcess(server_args(a.model_path, profile=profile, extra=extra + list(a.server_extra)),
+                               a.out / f"server_accuracy_{label}.log", a.port)
+        out = a.out / f"replay_accuracy_{label}.json"
+        with server:
+            server.wait_ready()
+            subprocess.run([sys.executable, "-m", "tangram_sgl.cli", "replay", "--endpoint", server.url + "/v1",
+                            "--model", server.served_model(), "--conversations", str(conv_file), "--output",
+                            str(out), "--max-tokens", str(cpu["max_new_tokens"]), "--temperature", "0",
+                            "--no-progress"], check=False, timeout=900, cwd=a.out)
+        turns = json.loads(out.read_text())["turns"] if out.exists() else []
+        method = cpu_label(profile)
+        pairs = [(t, cpu_turns.get((method, t["session"], t["turn"]))) for t in turns if t["error"] is None]
+        pairs = [(t, c) for t, c in pairs if c is not None and c["answer"] is not None]
+        hits = sum(contains(t["expected"], t["answer"]) for t, _ in pairs)
+        cpu_hits = sum(c["correct"] for _, c in pairs)
+        same = sum(t["answer"].strip() == c["answer"].strip() for t, c in pairs)
+        n = max(len(pairs), 1)
+        runs.append({"server": spec, "cpu_method": method, "turns": len(turns), "compared": len(pairs),
+                     "hits": hits, "cpu_hits": cpu_hits, "identical_answers": same})
+        summary += [summary_row(f"{label}: answers containing the expected text", round(100 * hits / n, 1), "%"),
+                    summary_row(f"{label}: CPU reference {method} on the same turns", round(100 * cpu_hits / n, 1),
+                                "%"),
+                    summary_row(f"{label}: answers identical to the CPU reference", round(100 * same / n, 1), "%")]
+    path = write_result("accuracy_server", {"cpu_results": a.cpu.name, "runs": runs}, summary, directory=a.out)
+    print(json.dumps(summary, indent=1))
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
