@@ -8,8 +8,10 @@ SGLang backend makes, then times, per step:
   place) on the host, and the attention of every layer on the GPU (token K/V write + split-KV decode);
   beside it, what the previous design cost: rebuilding every (request, group) slot list on the host and
   copying it to the device (``TangramKVManager.slot_lists``);
-- extend: one 16-token question per session as one extend batch (host metadata, then per layer the
-  extend kernel + segment write), and the prefill chunks' per-layer segment writes.
+- extend: one question per session as one extend batch (host metadata, then per layer the extend kernel +
+  segment writes), for each ``--questions`` length: 16 tokens are kept whole (shorter than sink + window),
+  96 are compressed (scored and selected for all rows at once); and the prefill chunks' per-layer segment
+  writes.
 
 Writes ``<out>/<name>.json``. Runs on CPU too at toy sizes (``--device cpu``: torch kernels).
 
@@ -96,14 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32, help="decode steps timed")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--head-dim", type=int, help="default: the profile's (use a small one on CPU)")
+    p.add_argument("--questions", default="16,96", help="question lengths of the timed extend batches")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="bench_step_host")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     profile = load_profile(a.profile)
-    question = 16
-    num_pages = pool_pages(HeadGroupLayout.from_profile(profile), profile, a.requests, a.context, a.chunk,
-                           a.steps + question + 16)
+    questions = [int(x) for x in a.questions.split(",")]
+    room = a.steps + 2 * sum(questions) + 16  # decode steps, then each question twice (warm-up, timed)
+    num_pages = pool_pages(HeadGroupLayout.from_profile(profile), profile, a.requests, a.context, a.chunk, room)
     kv = TangramKVManager.from_profile(profile, num_pages, head_dim=a.head_dim, dtype=torch.bfloat16
                                        if dev.type == "cuda" else torch.float32, device=dev)
     ctx = AttentionContext.create(kv, profile)
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         kv.admit(rid, tokens)  # nothing cached: every session's context is its own
         for start in range(0, a.context, a.chunk):
             seg = tokens[start:start + a.chunk]
-            kv.reserve(rid, seg, decode_tokens=a.steps + question + 16 if start + a.chunk >= a.context else 0)
+            kv.reserve(rid, seg, decode_tokens=a.steps + 16 if start + a.chunk >= a.context else 0)
             prefill_ms.append(write_layers(kv, rid, len(seg), gen, dev))
     lay = kv.layout
     hq = profile.model.num_attention_heads
@@ -134,24 +137,27 @@ def main(argv: list[str] | None = None) -> int:
         ms, indices = timed(dev, lambda: csr_lists(kv, rids, dev))
         csr_ms.append(ms)
         csr_entries.append(indices.numel())
-    # extend batches of a 16-token question per session on its whole cached context: the first (one
-    # session) warms the kernels up, the second (every session) is timed
-    for batch in (rids[:1], rids):
-        for rid in batch:
-            kv.reserve(rid, [3] * question)
-        rows = [StepRow(rid, len(kv.requests[rid].token_ids) - question, question, False) for rid in batch]
-        ext_host_ms, step = timed(dev, lambda rows=rows: ctx.step(rows, []))
-        qe = torch.randn(len(batch) * question, hq, d, generator=gen, device=dev, dtype=kv.pool.k_buffer.dtype)
-        ke = torch.randn(len(batch) * question, lay.num_kv_heads, d, generator=gen, device=dev, dtype=qe.dtype)
-        ext_layers_ms = timed(dev, lambda step=step, qe=qe, ke=ke: (
-            [step.attend(layer, qe, ke, ke, scale) for layer in range(lay.num_layers)], step.commit()))[0]
+    # extend batches of one question per session on its whole cached context: per length, the first batch
+    # (one session) warms the kernels up, the second (every session) is timed
+    extend = {}
+    for question in questions:
+        for batch in (rids[:1], rids):
+            for rid in batch:
+                kv.reserve(rid, [3] * question)
+            rows = [StepRow(rid, len(kv.requests[rid].token_ids) - question, question, False) for rid in batch]
+            ext_host_ms, step = timed(dev, lambda rows=rows: ctx.step(rows, []))
+            qe = torch.randn(len(batch) * question, hq, d, generator=gen, device=dev, dtype=kv.pool.k_buffer.dtype)
+            ke = torch.randn(len(batch) * question, lay.num_kv_heads, d, generator=gen, device=dev, dtype=qe.dtype)
+            ext_layers_ms = timed(dev, lambda step=step, qe=qe, ke=ke: (
+                [step.attend(layer, qe, ke, ke, scale) for layer in range(lay.num_layers)], step.commit()))[0]
+        extend[question] = {"host_ms": ext_host_ms, "layers_ms": ext_layers_ms,
+                            "compressed": bool(step.compressed)}
 
     med = statistics.median
     data = {"profile": Path(a.profile).name, "requests": a.requests, "context": a.context, "chunk": a.chunk,
             "groups": lay.num_groups, "heads_per_group": lay.heads_per_group, "page_size": lay.page_size,
             "head_dim": d, "decode_steps": a.steps, "decode_host_ms": host_ms, "decode_attention_ms": gpu_ms,
-            "csr_rebuild_ms": csr_ms, "csr_entries": csr_entries, "extend_host_ms": ext_host_ms,
-            "extend_layers_ms": ext_layers_ms, "prefill_chunk_write_ms": prefill_ms,
+            "csr_rebuild_ms": csr_ms, "csr_entries": csr_entries, "extend": extend, "prefill_chunk_write_ms": prefill_ms,
             "arena_used": kv.device_lists.used,
             "arena_capacity": kv.device_lists.capacity, "arena_fallback_steps": kv.arena_fallback_steps}
     tag = f"{a.requests} x {a.context // 1024}k, {Path(a.profile).stem}"
@@ -159,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         summary_row(f"decode step host metadata (median, {tag})", round(med(host_ms[1:] or host_ms), 3), "ms"),
         summary_row(f"decode step attention, all layers (median, {tag})", round(med(gpu_ms[1:] or gpu_ms), 3), "ms"),
         summary_row(f"host CSR rebuild + copy the arena replaces (median, {tag})", round(med(csr_ms), 3), "ms"),
-        summary_row(f"extend step host metadata, 16-token questions ({tag})", round(ext_host_ms, 3), "ms"),
-        summary_row(f"extend step layers incl. segment writes ({tag})", round(ext_layers_ms, 3), "ms"),
+        *(row for n, e in extend.items() for row in (
+            summary_row(f"extend step host metadata, {n}-token questions{' (compressed)' * e['compressed']} "
+                        f"({tag})", round(e["host_ms"], 3), "ms"),
+            summary_row(f"extend step layers incl. segment writes, {n}-token questions ({tag})",
+                        round(e["layers_ms"], 3), "ms"))),
         summary_row(f"prefill chunk segment writes, all layers (median, {a.chunk} tokens)",
                     round(med(prefill_ms), 3), "ms"),
     ]
