@@ -37,6 +37,11 @@ CASES = {"chunk_0": (1, 8192, 0), "chunk_16k": (1, 8192, 16384), "chunk_40k": (1
 TINY_CASES = {"chunk_0": (1, 64, 0), "chunk_96": (1, 64, 96), "questions": (3, 5, 80)}
 
 
+def workspace(dev: str | torch.device) -> torch.Tensor:
+    """A FlashInfer wrapper's workspace buffer."""
+    return torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+
+
 def flashinfer_ragged_ms(shape: Shape, rows: int, n_new: int, kv_len: int, dev: str) -> float:
     """FlashInfer's ragged causal prefill: ``rows`` x ``n_new`` queries over contiguous K/V of ``kv_len`` each
     (the queries are the last ``n_new`` positions); plan() outside the timing."""
@@ -48,7 +53,7 @@ def flashinfer_ragged_ms(shape: Shape, rows: int, n_new: int, kv_len: int, dev: 
     v = torch.randn_like(k)
     qo = torch.arange(rows + 1, dtype=torch.int32, device=dev) * n_new
     kvp = torch.arange(rows + 1, dtype=torch.int32, device=dev) * kv_len
-    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD")
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace(dev), "NHD")
     w.plan(qo, kvp, shape.hq, shape.hkv, shape.head_dim, causal=True, q_data_type=torch.bfloat16)
     return gpu_time_ms(lambda: w.run(q, k, v))[0]
 
@@ -65,15 +70,12 @@ def flashinfer_two_pass(shape: Shape, c: Cache, q: torch.Tensor, k_new: torch.Te
     dev, hq, hkv, d, ps = q.device, shape.hq, shape.hkv, shape.head_dim, shape.page_size
     gq, t = hq // hkv, rows * n_new
 
-    def workspace() -> torch.Tensor:
-        return torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-
     qo = torch.arange(rows + 1, dtype=torch.int32, device=dev) * n_new
-    chunk = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace(), "NHD")
+    chunk = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace(dev), "NHD")
     chunk.plan(qo, qo, hq, hkv, d, causal=True, q_data_type=q.dtype)
     indptr, pages, last = pseudo_request_pages(c.kv_indptr, c.kv_indices, c.head_group, c.head_column, batch=rows,
                                                page_size=ps, heads_per_group=shape.heads_per_group)
-    prefix = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+    prefix = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(dev), "NHD")
     prefix.plan(torch.arange(rows * hkv + 1, dtype=torch.int32, device=dev) * n_new, indptr, pages, last, gq, 1, d,
                 ps, causal=False, q_data_type=q.dtype)
     kv_pages = (pool_as_single_head_pages(c.k), pool_as_single_head_pages(c.v))

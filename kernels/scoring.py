@@ -1,7 +1,8 @@
 """Per-head token scores for compression: the SnapKV observation-window scorer.
 
-``snapkv_scores_torch`` is the reference every faster implementation is tested against;
-``snapkv_scores`` is the Triton version.
+``snapkv_scores_torch`` (one segment) is the reference every faster implementation is tested against;
+``snapkv_scores_ragged`` is the Triton version for several segments of a step's staging at once, with
+``snapkv_scores_ragged_torch`` as its per-segment reference.
 """
 
 from __future__ import annotations
@@ -156,17 +157,3 @@ def snapkv_scores_ragged(q: torch.Tensor, k: torch.Tensor, q_start: torch.Tensor
         past_end = torch.arange(n_max, device=k.device) >= lens.to(k.device)[:, None, None]
         scores = scores.masked_fill(past_end, float("-inf"))
     return scores
-
-
-def snapkv_scores(
-    q_obs: torch.Tensor, k: torch.Tensor, *, scale: float, pool_kernel: int = 7, block_n: int = 64
-) -> torch.Tensor:
-    """Triton version of :func:`snapkv_scores_torch` (same arguments and result): the one-segment case of
-    :func:`snapkv_scores_ragged`. Nothing of size [Hq, w, n] is materialized."""
-    w, n = q_obs.shape[1], k.shape[1]
-    if not 1 <= w <= n:
-        raise ValueError(f"window {w} must be in [1, n={n}]")
-    zero = torch.zeros(1, dtype=torch.int32, device=k.device)
-    return snapkv_scores_ragged(q_obs.transpose(0, 1), k.transpose(0, 1), zero, zero,
-                                torch.full((1,), n, dtype=torch.int32, device=k.device), n, obs_window=w,
-                                scale=scale, pool_kernel=pool_kernel, block_n=block_n)[0]

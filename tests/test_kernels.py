@@ -29,12 +29,7 @@ from tangram_sgl.kernels.flashinfer_decode import (
     pool_as_single_head_pages,
     pseudo_request_pages,
 )
-from tangram_sgl.kernels.scoring import (
-    snapkv_scores,
-    snapkv_scores_ragged,
-    snapkv_scores_ragged_torch,
-    snapkv_scores_torch,
-)
+from tangram_sgl.kernels.scoring import snapkv_scores_ragged, snapkv_scores_ragged_torch, snapkv_scores_torch
 
 
 @pytest.fixture(autouse=True)
@@ -198,7 +193,9 @@ def test_snapkv_scores_matches_reference(gqa, hkv, w, n, pool):
     D = 32
     q = torch.randn(gqa * hkv, w, D)
     k = torch.randn(hkv, n, D)
-    out = snapkv_scores(q, k, scale=D**-0.5, pool_kernel=pool, block_n=16)
+    zero, length = torch.zeros(1, dtype=torch.int32), torch.full((1,), n, dtype=torch.int32)
+    out = snapkv_scores_ragged(q.transpose(0, 1), k.transpose(0, 1), zero, zero, length, n, obs_window=w,
+                               scale=D**-0.5, pool_kernel=pool, block_n=16)[0]  # one segment, read through strides
     ref = snapkv_scores_torch(q, k, scale=D**-0.5, pool_kernel=pool)
     torch.testing.assert_close(out, ref, **SCORE_TOL)
 

@@ -13,12 +13,7 @@ import torch
 
 from tangram_sgl.kernels.decode import paged_decode, paged_decode_torch
 from tangram_sgl.kernels.extend import extend_attention, extend_attention_torch
-from tangram_sgl.kernels.scoring import (
-    snapkv_scores,
-    snapkv_scores_ragged,
-    snapkv_scores_ragged_torch,
-    snapkv_scores_torch,
-)
+from tangram_sgl.kernels.scoring import snapkv_scores_ragged, snapkv_scores_ragged_torch
 
 KERNEL_SETS = ("torch", "triton")
 
@@ -63,12 +58,6 @@ class KernelSet:
         return paged_decode(q, k_buffer, v_buffer, kv_starts, kv_lens, kv_indices, head_group, head_column,
                             splits, head_order=head_order, max_splits=max_splits,
                             min_split_tokens=min_split_tokens, sm_scale=sm_scale)
-
-    def snapkv(self, q_obs: torch.Tensor, k: torch.Tensor, scale: float, pool_kernel: int) -> torch.Tensor:
-        """SnapKV scores ``[Hkv, n]`` (see ``tangram_sgl.kernels.scoring``)."""
-        if self.name == "torch":
-            return snapkv_scores_torch(q_obs, k, scale=scale, pool_kernel=pool_kernel)
-        return snapkv_scores(q_obs.contiguous(), k.contiguous(), scale=scale, pool_kernel=pool_kernel)
 
     def snapkv_ragged(self, q: torch.Tensor, k: torch.Tensor, q_start: torch.Tensor, k_start: torch.Tensor,
                       lens: torch.Tensor, n_max: int, obs_window: int, scale: float, pool_kernel: int) -> torch.Tensor:

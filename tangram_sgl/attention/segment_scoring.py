@@ -3,7 +3,8 @@
 The observation window is the segment's last ``min(obs_window, n)`` queries, the same window the profiler
 used (``obs_window`` defaults to the profile's ``recent_window``). Scorers that model future queries from
 pre-RoPE queries (``expected_attention``) need the model's RoPE (:class:`PreRope`); without it they are
-refused at construction. SnapKV runs on the kernel set's SnapKV kernel (Triton on CUDA).
+refused at construction. SnapKV scores every row of a step at once on the kernel set's ragged SnapKV kernel
+(Triton on CUDA); the other scorers run per segment.
 """
 
 from __future__ import annotations
@@ -71,8 +72,6 @@ class SegmentScorer:
         n = k.shape[1]
         w = min(self.obs_window, n)
         q_obs = q[:, n - w:]
-        if isinstance(self.scorer, SnapKVScorer):
-            return self.kernels.snapkv(q_obs, k, scale, self.scorer.pool_kernel)
         if self.pre_rope is not None:
             q_pre, inv_freq = self.pre_rope.unrotate(q_obs, start + n - w), self.pre_rope.inv_freq
         else:  # post-RoPE scorers never read q_obs_pre / inv_freq

@@ -125,10 +125,9 @@ class DeviceSlotLists:
         if block is None:
             return False
         starts = [block + sum(caps[:g]) for g in range(self.num_groups)]
-        if size:  # the block (each list, then its room as zeros) in one copy
-            dev = self.arena.device
-            self.arena[block: block + size].copy_(torch.cat([t for x, r in zip(lists, room) for t in (
-                torch.as_tensor(x, dtype=torch.int32, device=dev), torch.zeros(r, dtype=torch.int32, device=dev))]))
+        self.arena[block: block + size].zero_()  # each list, then its room as zeros
+        for s, x in zip(starts, lists):
+            self.arena[s: s + len(x)].copy_(torch.as_tensor(x))
         self.mirrors[rid] = SlotMirror(block, size, starts, caps, [len(x) for x in lists], version, tokens)
         return True
 
