@@ -111,14 +111,19 @@ def server_args(model_path: str, *, profile: str | None, extra: Sequence[str] = 
 
 
 def parse_server_spec(spec: str) -> tuple[str, str | None, list[str]]:
-    """(label, tangram profile or None, launch arguments) of ``stock:<attention backend>`` or
-    ``tangram:<profile.json>``, the server specs the eval scripts take."""
+    """(label, tangram profile or None, launch arguments) of ``stock:<attention backend>``,
+    ``tangram:<profile.json>`` or ``tangram@<extend kernel>:<profile.json>``, the server specs the eval
+    scripts take."""
     kind, _, arg = spec.partition(":")
-    if kind == "stock" and arg:
+    kind, _, extend_kernel = kind.partition("@")
+    if kind == "stock" and arg and not extend_kernel:
         return f"stock_{arg}", None, ["--attention-backend", arg]
     if kind == "tangram" and arg:
+        if extend_kernel:
+            return (f"tangram_{extend_kernel}_{Path(arg).stem}", arg, ["--tangram-extend-kernel", extend_kernel])
         return f"tangram_{Path(arg).stem}", arg, []
-    raise ValueError(f"server spec {spec!r}: expected stock:<attention backend> or tangram:<profile.json>")
+    raise ValueError(f"server spec {spec!r}: expected stock:<attention backend> or "
+                     f"tangram[@<extend kernel>]:<profile.json>")
 
 
 def decode_batches(log: Sequence[str]) -> tuple[int, int]:

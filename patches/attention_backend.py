@@ -9,10 +9,12 @@ silent fallback.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
 from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+from tangram_sgl.patches.server_args import ENV_EXTEND_KERNEL
 
 BACKEND_NAME = "tangram"
 
@@ -25,7 +27,7 @@ def create_tangram_backend(runner: Any) -> Any:
     """SGLang attention-backend factory for ``tangram`` (``runner``: SGLang's ``ModelRunner``)."""
     from tangram_sgl.attention.backend import TangramAttnBackend
 
-    return TangramAttnBackend(runner)
+    return TangramAttnBackend(runner, extend_kernel=os.environ.get(ENV_EXTEND_KERNEL))
 
 
 def register() -> None:

@@ -1,8 +1,10 @@
-"""Seam: ``sglang.srt.server_args.ServerArgs`` — the ``--kv-policy`` / ``--tangram-profile`` options.
+"""Seam: ``sglang.srt.server_args.ServerArgs`` — the ``--kv-policy`` / ``--tangram-profile`` /
+``--tangram-extend-kernel`` options.
 
 SGLang's ServerArgs is a dataclass with no plugin fields, so the policy is *mapped* onto existing fields:
 ``--kv-policy tangram`` sets ``attention_backend="tangram"``, ``radix_cache_backend="tangram"`` and the
-profile's page size, and exports ``TANGRAM_KV_POLICY`` / ``TANGRAM_PROFILE`` into ``os.environ`` so the
+profile's page size, and exports ``TANGRAM_KV_POLICY`` / ``TANGRAM_PROFILE`` / ``TANGRAM_EXTEND_KERNEL`` into
+``os.environ`` so the
 scheduler processes SGLang spawns (they inherit the environment) know the policy and the profile.
 
 Hooks: AFTER ``ServerArgs.add_cli_args`` (adds the options to the parser), AROUND
@@ -27,6 +29,8 @@ KV_POLICIES = ("default", "tangram")
 logger = logging.getLogger(__name__)
 ENV_POLICY = "TANGRAM_KV_POLICY"
 ENV_PROFILE = "TANGRAM_PROFILE"
+ENV_EXTEND_KERNEL = "TANGRAM_EXTEND_KERNEL"
+EXTEND_KERNELS = ("triton", "flashinfer")
 _SA = "sglang.srt.server_args.ServerArgs"
 
 # Features whose KV handling tangram_sgl does not implement: (ServerArgs field, its "off" value, flag).
@@ -52,9 +56,13 @@ def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
                             "(needs --tangram-profile).")
     group.add_argument("--tangram-profile", type=str, default=None,
                        help="Budget profile JSON made by `tangram-sgl profile` (or `tangram-sgl synth`).")
+    group.add_argument("--tangram-extend-kernel", choices=EXTEND_KERNELS, default=None,
+                       help="Prefill attention of the tangram backend: 'triton' (default) or 'flashinfer' "
+                            "(FlashInfer's chunk + per-(request, kv head) prefix passes, planned per layer).")
 
 
-def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profile_path: str | None) -> None:
+def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profile_path: str | None,
+                    extend_kernel: str | None = None) -> None:
     """Rewrite ServerArgs field values in place for ``policy``; export the policy for child processes.
 
     ``fields`` maps ServerArgs field names to the values the user gave (absent or None = unset).
@@ -62,11 +70,14 @@ def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profil
     policy = policy or "default"
     if policy not in KV_POLICIES:
         raise KvPolicyError(f"--kv-policy: expected one of {KV_POLICIES}, got {policy!r}")
+    if extend_kernel not in (None, *EXTEND_KERNELS):
+        raise KvPolicyError(f"--tangram-extend-kernel: expected one of {EXTEND_KERNELS}, got {extend_kernel!r}")
     if policy == "default":
-        if profile_path:
-            raise KvPolicyError("--tangram-profile was given without --kv-policy tangram")
-        os.environ.pop(ENV_POLICY, None)
-        os.environ.pop(ENV_PROFILE, None)
+        if profile_path or extend_kernel:
+            given = "--tangram-profile" if profile_path else "--tangram-extend-kernel"
+            raise KvPolicyError(f"{given} was given without --kv-policy tangram")
+        for name in (ENV_POLICY, ENV_PROFILE, ENV_EXTEND_KERNEL):
+            os.environ.pop(name, None)
         return
     if not profile_path:
         raise KvPolicyError("--kv-policy tangram needs --tangram-profile PATH (see `tangram-sgl profile --help`)")
@@ -97,6 +108,7 @@ def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profil
     fields["page_size"] = profile.page_size
     os.environ[ENV_POLICY] = "tangram"
     os.environ[ENV_PROFILE] = str(Path(profile_path).resolve())
+    os.environ[ENV_EXTEND_KERNEL] = extend_kernel or "triton"
 
 
 def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
@@ -122,7 +134,8 @@ def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
 def from_cli_args_around(original: Callable, cls: type, args: argparse.Namespace) -> Any:
     """AROUND ServerArgs.from_cli_args: map --kv-policy onto the namespace before SGLang reads it."""
     fields = vars(args)
-    apply_kv_policy(fields, fields.pop("kv_policy", None), fields.pop("tangram_profile", None))
+    apply_kv_policy(fields, fields.pop("kv_policy", None), fields.pop("tangram_profile", None),
+                    fields.pop("tangram_extend_kernel", None))
     return original(cls, args)
 
 
@@ -130,8 +143,9 @@ def init_around(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Non
     """AROUND ServerArgs.__init__: accept ``kv_policy=`` / ``tangram_profile=`` keywords (Engine API)."""
     policy = kwargs.pop("kv_policy", None)
     profile = kwargs.pop("tangram_profile", None)
-    if policy is not None or profile is not None:
-        apply_kv_policy(kwargs, policy, profile)
+    extend_kernel = kwargs.pop("tangram_extend_kernel", None)
+    if policy is not None or profile is not None or extend_kernel is not None:
+        apply_kv_policy(kwargs, policy, profile, extend_kernel)
     original(self, *args, **kwargs)
 
 

@@ -9,7 +9,9 @@ on CUDA (Triton kernels selected by default; fp32 ``tl.dot`` there is TF32, henc
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+import sys
 
 DEV = os.environ.get("TANGRAM_ATTN_TEST_DEVICE", "cpu")
 if DEV == "cpu":
@@ -23,6 +25,7 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from tangram_sgl.kernels.flashinfer_extend import FlashInferExtend
 from tangram_sgl.patches.attention_backend import TangramNotServable
 from tangram_sgl.patches.cuda_graph import can_run_graph_around
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -610,6 +613,10 @@ def test_factory_builds_the_backend_from_the_runner(registry, tmp_path, monkeypa
     assert backend.context.kernels.name == ("torch" if DEV == "cpu" else "triton")  # chosen by the pool's device
     assert backend.token_to_kv_pool.manager is kv
     assert backend.get_cuda_graph_seq_len_fill_value() == 1
+    assert backend.context.flashinfer_extend is None
+    monkeypatch.setenv("TANGRAM_EXTEND_KERNEL", "cutlass")  # what --tangram-extend-kernel exports reaches it
+    with pytest.raises(ValueError, match="unknown extend kernel 'cutlass'"):
+        registry["tangram"](fake_runner(kv, model.config))
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -786,3 +793,68 @@ def test_extend_layers_never_synchronise_the_host():
         torch.cuda.set_sync_debug_mode(0)
     step.commit()
     check_invariants(kv, deep=True)
+
+
+def test_extend_kernel_choice_is_checked():
+    model = tiny_llama(3)
+    profile = mixed_profile(model.config, 4, 2, seed=11)
+    kv = TangramKVManager.from_profile(profile, 50, device="cpu")
+    with pytest.raises(ValueError, match="needs the pool on a CUDA device"):
+        AttentionContext.create(kv, profile, extend_kernel="flashinfer")
+    with pytest.raises(ValueError, match="unknown extend kernel 'cutlass'"):
+        AttentionContext.create(kv, profile, extend_kernel="cutlass")
+
+
+def _extend_steps_agree(make_flashinfer_ctx, dtype: torch.dtype, tol: float) -> None:
+    """A second chunk of two rows over their committed, compressed first chunks (multi-segment lists with
+    partial pages): every layer of the FlashInfer-extend step against the kernel set's step."""
+    model = tiny_llama(3)
+    profile = mixed_profile(model.config, 4, 2, seed=11)
+    kv = TangramKVManager.from_profile(profile, 400, dtype=dtype, device=DEV)
+    base = AttentionContext.create(kv, profile)
+    fi = make_flashinfer_ctx(base, kv, profile)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+
+    def qkv(n):
+        return (torch.randn(n, HEADS, HEAD_DIM, device=DEV, dtype=dtype, generator=gen),
+                *(torch.randn(n, KV_HEADS, HEAD_DIM, device=DEV, dtype=dtype, generator=gen) for _ in range(2)))
+
+    lens = {"a": (40, 23), "b": (25, 9)}
+    for rid, (first, _) in lens.items():
+        toks = list(range(1, first + 1))
+        kv.admit(rid, toks)
+        kv.reserve(rid, toks)
+    step = base.step([StepRow(rid, 0, first, False) for rid, (first, _) in lens.items()])
+    q, k, v = qkv(65)
+    for layer in range(LAYERS):
+        step.attend(layer, q, k, v, HEAD_DIM ** -0.5)
+    step.commit()
+    rows = []
+    for rid, (first, second) in lens.items():
+        kv.reserve(rid, list(range(100, 100 + second)))
+        rows.append(StepRow(rid, first, second, False))
+    steps = base.step(rows), fi.step(rows)
+    assert steps[1].fi_step is not None and steps[1].fi_step.has_prefix
+    for layer in range(LAYERS):
+        q, k, v = qkv(32)
+        want, got = (s.attend(layer, q, k, v, HEAD_DIM ** -0.5) for s in steps)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    steps[0].commit()
+    check_invariants(kv, deep=True)
+
+
+def test_flashinfer_extend_step_wiring_matches_the_kernel_step(monkeypatch):
+    """ForwardStep with a FlashInfer extend (FlashInfer's API stood in by torch, see
+    tests/test_flashinfer_extend.py): per-layer head maps, host indptr and staging reach it correctly."""
+    from test_flashinfer_extend import flashinfer_standin
+
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin())
+    _extend_steps_agree(lambda base, kv, profile: dataclasses.replace(base, flashinfer_extend=FlashInferExtend(DEV)),
+                        torch.float32, TOL)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="FlashInfer runs on CUDA only (GPU test stage)")
+def test_flashinfer_extend_step_matches_the_triton_step():
+    """--tangram-extend-kernel flashinfer through ForwardStep with the real FlashInfer, against Triton."""
+    _extend_steps_agree(lambda base, kv, profile: AttentionContext.create(kv, profile, extend_kernel="flashinfer"),
+                        torch.float16, 2e-2)

@@ -44,10 +44,11 @@ def test_soak_log_figures():
     assert soak.FLUSH_LINE.findall(log) == [("1", "0")]
 
 
-def _bench_file(path: Path, sessions: str, device: str = "NVIDIA H200") -> Path:
-    args = {k: "x" for k in bench_serving.WORKLOAD_ARGS} | {"sessions": sessions}
+def _bench_file(path: Path, sessions: str, device: str = "NVIDIA H200", duration: str = "240",
+                cut: int = 0, wall_s: float = 240.0) -> Path:
+    args = {k: "x" for k in bench_serving.WORKLOAD_ARGS} | {"sessions": sessions, "duration": duration}
     run = {"server": "stock:flashinfer", "label": "stock_flashinfer", "context": "long", "doc_tokens": 49152,
-           "summary": {"output_tokens_per_s": 100.0, "ttft_s": None}}
+           "summary": {"output_tokens_per_s": 100.0, "ttft_s": None, "turns_cut": cut, "wall_s": wall_s}}
     path.write_text(json.dumps({"name": path.stem, "command": "c", "versions": {"sglang": "0.5.17"}, "device": device,
                                 "date": "2026-12-02", "data": {"runs": [run], "args": args}}))
     return path
@@ -63,6 +64,22 @@ def test_bench_results_merge_only_with_the_same_workload_and_device(tmp_path):
         bench_serving.merged_runs([a, _bench_file(tmp_path / "d.json", "24", device="NVIDIA H100")])
 
 
+def test_bench_results_merge_across_windows_only_when_the_window_cut_nothing(tmp_path):
+    """A run that finished every turn inside a shorter window measured what a longer one would have."""
+    cut = _bench_file(tmp_path / "a.json", "24", duration="240", cut=24, wall_s=240.0)
+    finished = _bench_file(tmp_path / "b.json", "24", duration="200", wall_s=100.0)
+    assert len(bench_serving.merged_runs([cut, finished])[0]) == 2
+    merged = tmp_path / "merged.json"  # a merged file merges again, each run keeping where it was measured
+    doc = json.loads(cut.read_text())
+    doc["data"]["runs"] = bench_serving.merged_runs([cut, finished])[0]
+    merged.write_text(json.dumps(doc))
+    assert [r["measured_by"]["file"] for r in bench_serving.merged_runs([merged])[0]] == ["a.json", "b.json"]
+    with pytest.raises(ValueError, match="windows differ"):
+        bench_serving.merged_runs([cut, _bench_file(tmp_path / "c.json", "24", duration="200", cut=3, wall_s=200.0)])
+    with pytest.raises(ValueError, match="windows differ"):  # finished, but after the other file's window closed
+        bench_serving.merged_runs([_bench_file(tmp_path / "d.json", "24", duration="90", cut=5, wall_s=90.0), finished])
+
+
 def test_accuracy_server_rebuilds_the_cpu_runs_conversations():
     """The GPU accuracy check replays exactly the conversations the committed CPU run scored (same turns,
     same expected answers), so its answers can be compared turn by turn."""
@@ -75,3 +92,14 @@ def test_accuracy_server_rebuilds_the_cpu_runs_conversations():
     rebuilt = {(c.id, i): t.expected for c in convs for i, t in enumerate(c.turns)}
     assert rebuilt == {(r["conversation"], r["turn"]): r["expected"] for r in cpu["turns"]}
 
+
+
+def test_server_specs():
+    from server_proc import parse_server_spec
+
+    assert parse_server_spec("stock:flashinfer") == ("stock_flashinfer", None, ["--attention-backend", "flashinfer"])
+    assert parse_server_spec("tangram:/p/x.r1.json") == ("tangram_x.r1", "/p/x.r1.json", [])
+    assert parse_server_spec("tangram@flashinfer:/p/x.json") == (
+        "tangram_flashinfer_x", "/p/x.json", ["--tangram-extend-kernel", "flashinfer"])
+    with pytest.raises(ValueError, match="expected stock"):
+        parse_server_spec("stock@flashinfer:triton")

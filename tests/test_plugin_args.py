@@ -48,8 +48,11 @@ def profile_path(tmp_path, model_dir):
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    monkeypatch.delenv("TANGRAM_KV_POLICY", raising=False)
-    monkeypatch.delenv("TANGRAM_PROFILE", raising=False)
+    """The exported policy starts unset and is unset again after the test (set-then-delete makes monkeypatch
+    restore the variable's absence, so what a test's parse exports cannot leak into later modules)."""
+    for name in ("TANGRAM_KV_POLICY", "TANGRAM_PROFILE", "TANGRAM_EXTEND_KERNEL"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def _parse(sglang_loaded, *argv: str):
@@ -62,6 +65,10 @@ def test_kv_policy_reaches_resolved_server_args(sglang_loaded, model_dir, profil
     assert (sa.attention_backend, sa.radix_cache_backend, sa.page_size) == ("tangram", "tangram", 16)
     assert os.environ["TANGRAM_KV_POLICY"] == "tangram"
     assert os.environ["TANGRAM_PROFILE"] == str(profile_path.resolve())
+    assert os.environ["TANGRAM_EXTEND_KERNEL"] == "triton"
+    _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
+           str(profile_path), "--tangram-extend-kernel", "flashinfer")
+    assert os.environ["TANGRAM_EXTEND_KERNEL"] == "flashinfer"
 
 
 def test_default_policy_leaves_sglang_untouched(sglang_loaded, model_dir):
@@ -95,6 +102,13 @@ def test_incompatible_flags_fail_clearly(sglang_loaded, model_dir, profile_path,
         argv += ["--tangram-profile", str(profile_path)]
     with pytest.raises(KvPolicyError, match=message):
         _parse(sglang_loaded, *argv)
+
+
+def test_extend_kernel_needs_the_tangram_policy(sglang_loaded, model_dir):
+    from tangram_sgl.patches.server_args import KvPolicyError
+
+    with pytest.raises(KvPolicyError, match="--tangram-extend-kernel was given without --kv-policy tangram"):
+        _parse(sglang_loaded, "--model-path", str(model_dir), "--tangram-extend-kernel", "flashinfer")
 
 
 def test_bad_profile_fails_at_parse_time(sglang_loaded, model_dir, tmp_path):
@@ -150,6 +164,7 @@ def test_launch_server_help_lists_the_options():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--kv-policy" in out.stdout and "--tangram-profile" in out.stdout
     assert "{default,tangram}" in out.stdout
+    assert "--tangram-extend-kernel {triton,flashinfer}" in out.stdout
 
 
 def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_dir, profile_path):

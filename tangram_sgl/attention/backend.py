@@ -23,6 +23,7 @@ decoding; per layer: sliding windows, logit capping, cross attention, a model th
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -34,6 +35,8 @@ from tangram_sgl.attention.forward_step import AttentionContext, ForwardStep
 from tangram_sgl.patches.attention_backend import TangramNotServable
 from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
 from tangram_sgl.profile import TangramProfile
+
+logger = logging.getLogger(__name__)
 
 
 def prefill_graph_error() -> TangramNotServable:
@@ -66,7 +69,8 @@ def check_server_args(sa: Any) -> None:
 class TangramAttnBackend(AttentionBackend):
     """Attention over per-(request, head group) slot lists, writing K/V through the tangram manager."""
 
-    def __init__(self, model_runner: Any, profile: TangramProfile | None = None, kernels: str | None = None):
+    def __init__(self, model_runner: Any, profile: TangramProfile | None = None, kernels: str | None = None,
+                 extend_kernel: str | None = None):
         super().__init__()
         check_server_args(model_runner.server_args)
         cache = model_runner.token_to_kv_pool
@@ -81,7 +85,10 @@ class TangramAttnBackend(AttentionBackend):
         self.token_to_kv_pool = cache  # SGLang reads the pools through the active backend
         self.req_to_token_pool = getattr(model_runner, "req_to_token_pool", None)
         self.manager = cache.manager
-        self.context = AttentionContext.create(self.manager, profile, kernels=kernels)
+        self.context = AttentionContext.create(self.manager, profile, kernels=kernels,
+                                               extend_kernel=None if extend_kernel == "triton" else extend_kernel)
+        if self.context.flashinfer_extend is not None:
+            logger.info("tangram: extend attention runs through FlashInfer (--tangram-extend-kernel flashinfer)")
         self.num_layers = self.manager.layout.num_layers
         self.step: ForwardStep | GraphDecodeStep | None = None
         self.graph: DecodeGraphBuffers | None = None

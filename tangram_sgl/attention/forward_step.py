@@ -12,8 +12,9 @@ Per layer (:meth:`ForwardStep.attend`):
   The lists are the device-resident ones (``device_slot_ranges``: the new token appended in place), or,
   when the arena cannot hold them, host-built CSR lists (logged).
 - **extend or mixed batch**: the extend kernel attends each row's new tokens over [its committed slot
-  lists ; its own staging K/V, causal]; then each extend row's segment is scored (the profile's scorer on
-  the segment's observation window) and each head keeps its protected and top-scored tokens in the
+  lists ; its own staging K/V, causal] (the Triton/torch kernel, or, with ``extend_kernel="flashinfer"``,
+  FlashInfer's chunk + per-layer-planned prefix passes: ``kernels/flashinfer_extend.py``); then each
+  extend row's segment is scored (the profile's scorer on the segment's observation window) and each head keeps its protected and top-scored tokens in the
   reserved slots, all compressed rows in one batch per layer (``compressed_segment_writes``); rows every
   group keeps whole (short turns, budget 1.0) are written together without selection
   (``full_segment_writes``); decode rows (mixed batches) write their token's K/V into their decode slots.
@@ -32,6 +33,7 @@ import torch
 from tangram_sgl.attention.kernel_set import KernelSet
 from tangram_sgl.attention.segment_scoring import PreRope, ScoredRows, SegmentScorer
 from tangram_sgl.kernels.decode import csr_ranges, launch_order
+from tangram_sgl.kernels.flashinfer_extend import FlashInferExtend
 from tangram_sgl.pool.kv_manager import TangramKVManager
 from tangram_sgl.profile import AotSplitTable, TangramProfile
 
@@ -64,12 +66,16 @@ class AttentionContext:
     head_group: torch.Tensor  # int32 [L, H] on the pool's device
     head_column: torch.Tensor
     head_order: torch.Tensor  # int32 [L, H]: each layer's kv heads by descending group budget (decode launch)
+    flashinfer_extend: FlashInferExtend | None = None  # extend attention through FlashInfer instead of kernels
     _splits: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
     @classmethod
     def create(cls, kv: TangramKVManager, profile: TangramProfile, *, kernels: str | None = None,
-               obs_window: int | None = None, pre_rope: PreRope | None = None) -> AttentionContext:
-        """Context for ``kv`` (built from ``profile``); ``kernels``: ``"torch"``/``"triton"``/None (by device)."""
+               obs_window: int | None = None, pre_rope: PreRope | None = None,
+               extend_kernel: str | None = None) -> AttentionContext:
+        """Context for ``kv`` (built from ``profile``); ``kernels``: ``"torch"``/``"triton"``/None (by device);
+        ``extend_kernel``: ``"flashinfer"`` runs extend attention through FlashInfer (CUDA only), None or the
+        kernel set's name keeps it in the kernel set."""
         lay = kv.layout
         if (profile.model.num_layers, profile.model.num_kv_heads, profile.num_groups) != (
                 lay.num_layers, lay.num_kv_heads, lay.num_groups):
@@ -80,8 +86,16 @@ class AttentionContext:
         scorer = SegmentScorer(profile.runtime_scorer, ks, obs_window or max(1, profile.recent_window), pre_rope)
         dev = kv.pool.device
         order = [launch_order([lay.group_budget[g] for g in layer.group]) for layer in lay.layers]
+        fi = None
+        if extend_kernel == "flashinfer":
+            if torch.device(dev).type != "cuda":
+                raise ValueError("extend_kernel='flashinfer' needs the pool on a CUDA device")
+            fi = FlashInferExtend(dev)
+        elif extend_kernel not in (None, ks.name):
+            raise ValueError(f"unknown extend kernel {extend_kernel!r}; choose 'flashinfer' or the kernel set "
+                             f"{ks.name!r}")
         return cls(kv, ks, scorer, profile.aot_split, lay.head_group_tensor(dev), lay.head_column_tensor(dev),
-                   torch.tensor(order, dtype=torch.int32, device=dev))
+                   torch.tensor(order, dtype=torch.int32, device=dev), fi)
 
     def decode_splits(self, batch_size: int) -> tuple[torch.Tensor, int]:
         """(int32 ``[G]`` splits on the device, the bucket's max) of the AOT row for ``batch_size``."""
@@ -133,12 +147,19 @@ class ForwardStep:
             indptr, self.kv_indices = kv.slot_lists(self.rids, dev)
             self.token_slots = kv.open_decode_slots(decode_rids, decode_token_ids).to(dev) if decode_rows else None
             self.kv_indptr = indptr.to(dev)
+            self._kv_indptr_host = indptr
         lens = torch.tensor([r.n for r in self.rows], dtype=torch.int32)
         offsets = torch.zeros(len(self.rows) + 1, dtype=torch.int32)
         offsets[1:] = torch.cumsum(lens, 0)
         self.offsets = offsets.tolist()
         self.qo_indptr = offsets.to(dev)
         self.max_new = int(lens.max())
+        self.fi_step = None
+        if ctx.flashinfer_extend is not None and not self.decode_only:
+            lay = kv.layout
+            self.fi_step = ctx.flashinfer_extend.step(self.offsets, self._kv_indptr_host.numpy(), self.kv_indices,
+                                                      num_kv_heads=lay.num_kv_heads, page_size=lay.page_size,
+                                                      heads_per_group=lay.heads_per_group)
         self.decode_index = torch.tensor([self.offsets[i] for i in decode_rows], dtype=torch.long, device=dev)
         self.compress = {i: not kv.requests[self.rids[i]].pending.full for i in self.extend_rows}
         whole = [i for i in self.extend_rows if not self.compress[i]]  # each kind written in one batch per layer
@@ -199,8 +220,12 @@ class ForwardStep:
         if self.decode_only:
             return decode_attend(ctx, layer, q, k, v, scale, self.token_slots, self.kv_starts, self.kv_lens,
                                  self.kv_indices, self.splits, self.max_splits)
-        out = ctx.kernels.extend(q, k, v, self.qo_indptr, self.max_new, pool.k_buffer, pool.v_buffer,
-                                 self.kv_indptr, self.kv_indices, hg, hc, scale)
+        if self.fi_step is not None:
+            maps = kv.layout.layers[layer]
+            out = self.fi_step.attend(q, k, v, pool.k_buffer, pool.v_buffer, maps.group, maps.column, scale)
+        else:
+            out = ctx.kernels.extend(q, k, v, self.qo_indptr, self.max_new, pool.k_buffer, pool.v_buffer,
+                                     self.kv_indptr, self.kv_indices, hg, hc, scale)
         if self.whole_writes is not None:
             kv.write_full_segments_layer(self.whole_writes, layer, k, v)
         if self.compressed_writes is not None:

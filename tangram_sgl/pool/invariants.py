@@ -5,13 +5,16 @@ Checked: every allocatable page is exactly one of free / owned by a tree node / 
 ``pages_for(k_g)`` pages (no over-allocation); k_g follows the budget rule and kept positions are valid;
 tree structure (positions chain, child index, counters, lock counts) and request token bookkeeping; the
 device slot-list mirrors (only of running requests, arena blocks disjoint and accounted; ``deep``: each
-mirror up to date with its request's lists holds a prefix of them).
+mirror up to date with its request's lists holds a prefix of them, and the batched ``slot_lists`` CSR of
+all running requests equals their per-group ``request_lists``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from itertools import pairwise
+
+import torch
 
 from tangram_sgl.budget import pages_for
 from tangram_sgl.pool.kv_manager import TangramKVManager
@@ -69,6 +72,13 @@ def _check_device_lists(mgr: TangramKVManager, deep: bool) -> None:
             for g, host in enumerate(mgr.request_lists(rid)):
                 if dl.read(rid, g).tolist() != host[:m.lens[g]].tolist():
                     _fail(f"request {rid!r}: device slot list of group {g} differs from its host list")
+    if deep and mgr.requests:  # the batched CSR the extend steps read equals the per-group lists
+        rids = list(mgr.requests)
+        indptr, indices = mgr.slot_lists(rids)
+        want = [x for rid in rids for x in mgr.request_lists(rid)]
+        if indptr.tolist() != [0, *torch.cumsum(torch.tensor([len(x) for x in want]), 0).tolist()] or (
+                indices.tolist() != torch.cat(want).tolist()):
+            _fail(f"slot_lists of {rids[:4]!r} differ from their per-group request_lists")
 
 
 def check_invariants(mgr: TangramKVManager, deep: bool = True) -> None:

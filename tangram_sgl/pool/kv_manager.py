@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tangram_sgl.budget import pages_for
@@ -437,17 +438,40 @@ class TangramKVManager:
     def slot_lists(self, rids: Sequence[Hashable],
                    device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """CSR ``(kv_indptr [R*G+1] on the host, kv_indices on device)`` int32: slots of (request r, group g)
-        at ``kv_indices[kv_indptr[r*G+g]:kv_indptr[r*G+g+1]]`` (the :meth:`request_lists`, one concatenation
-        of per-segment lists cached on ``device``: no host copy of whole lists per step)."""
-        parts, lens = [], []
-        for rid in rids:
-            for group_parts in self._list_parts(rid, device):
-                parts += group_parts
-                lens.append(sum(len(x) for x in group_parts))
-        indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
-        indices = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int32, device=device)
-        return indptr, indices
+        at ``kv_indices[kv_indptr[r*G+g]:kv_indptr[r*G+g+1]]`` (the :meth:`request_lists`).
+
+        Built from each segment's cached all-groups :meth:`Segment.slot_table` on ``device``: the host handles
+        O(requests x segments) objects and numpy arrays of (request, group, segment) pieces; one gather on
+        the device puts the pieces in CSR order (no host copy of whole lists, no per-(group, segment) calls).
+        """
+        G = self.num_groups
+        tables = [[s.slot_table(self.page_size, device) for s in self.request_segments(rid)] for rid in rids]
+        flat = [t for row in tables for t in row]
+        seg_base = np.cumsum([0] + [t.slots.numel() for t in flat])
+        lens, srcs, at = [], [], 0
+        for row in tables:  # a row's pieces in (group, segment) order: [G, S] arrays, flattened
+            if row:
+                lens.append(np.stack([t.lengths for t in row], 1))
+                srcs.append(np.stack([t.offsets for t in row], 1) + seg_base[at:at + len(row)])
+            else:
+                lens.append(np.zeros((G, 1), dtype=np.int64))
+                srcs.append(np.zeros((G, 1), dtype=np.int64))
+            at += len(row)
+        indptr = torch.zeros(len(rids) * G + 1, dtype=torch.int32)
+        group_lens = np.concatenate([x.sum(1) for x in lens]) if lens else np.zeros(0, dtype=np.int64)
+        indptr[1:] = torch.from_numpy(np.cumsum(group_lens))
+        total = int(indptr[-1])
+        if total == 0:
+            return indptr, torch.empty(0, dtype=torch.int32, device=device)
+        piece_len = np.concatenate([x.reshape(-1) for x in lens])
+        piece_src = np.concatenate([x.reshape(-1) for x in srcs])
+        keep = piece_len > 0
+        piece_len, piece_src = piece_len[keep], piece_src[keep]
+        piece_dst = np.cumsum(piece_len) - piece_len  # pieces are already in output order
+        slots = torch.cat([t.slots for t in flat])
+        meta = torch.from_numpy(np.stack([piece_src - piece_dst, piece_len])).to(slots.device)
+        shift = torch.repeat_interleave(meta[0], meta[1], output_size=total)  # source - destination, per slot
+        return indptr, slots[torch.arange(total, device=slots.device) + shift]
 
     def _decode_room(self, req: RequestKV) -> list[int]:
         """Per group: the decode slots already reserved for ``req`` (spare pages, rest of its decode page),

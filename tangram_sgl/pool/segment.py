@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -54,6 +55,15 @@ class GroupSlots:
         return (pages[j // page_size] * page_size + j % page_size if len(j) else j).to(torch.int32)
 
 
+@dataclass(frozen=True)
+class SlotTable:
+    """A segment's slot lists of every group: ``slots[offsets[g] : offsets[g] + lengths[g]]`` is group g's."""
+
+    slots: torch.Tensor  # int32, on the device it was asked for
+    lengths: np.ndarray  # int64 [G], host
+    offsets: np.ndarray  # int64 [G], host
+
+
 @dataclass
 class Segment:
     """KV of tokens ``[start, start + n)`` held as one slot list per head group (see module docstring)."""
@@ -63,10 +73,36 @@ class Segment:
     full: bool
     groups: list[GroupSlots]
     kept: list[torch.Tensor] | None = None
+    _tables: tuple[tuple[int, int], dict[torch.device, SlotTable]] | None = field(default=None, repr=False,
+                                                                                 compare=False)
 
     @property
     def n(self) -> int:
         return len(self.token_ids)
+
+    def slot_table(self, page_size: int, device: torch.device | None = None) -> SlotTable:
+        """All groups' slot lists as one int32 tensor on ``device`` (default: the host; group-major) with host
+        per-group lengths and offsets, cached per device: a segment's lists change only together with its
+        token count (decode growth, :meth:`append`), so a step reads each committed segment once per state,
+        not once per group."""
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        key = (self.n, page_size)
+        if self._tables is None or self._tables[0] != key:
+            G = len(self.groups)
+            lens = np.fromiter((gs.length for gs in self.groups), dtype=np.int64, count=G)
+            offsets = np.cumsum(lens) - lens
+            pages = np.fromiter((p for gs in self.groups for p in gs.pages), dtype=np.int64)
+            first_page = np.cumsum([0] + [len(gs.pages) for gs in self.groups])[:-1]
+            group = np.repeat(np.arange(G), lens)  # slot j of group g: pages[first_page[g] + j // ps] * ps + j % ps
+            j = np.arange(int(lens.sum())) - offsets[group]
+            slots = pages[first_page[group] + j // page_size] * page_size + j % page_size
+            host = SlotTable(torch.from_numpy(slots.astype(np.int32)), lens, offsets)
+            self._tables = (key, {torch.device("cpu"): host})
+        tables = self._tables[1]
+        if dev not in tables:
+            host = tables[torch.device("cpu")]
+            tables[dev] = SlotTable(host.slots.to(dev), host.lengths, host.offsets)
+        return tables[dev]
 
     @property
     def end(self) -> int:
