@@ -92,7 +92,11 @@ class FlashInferExtend:
     """FlashInfer wrappers of the two extend passes (one shared float workspace; see the module docstring)."""
 
     def __init__(self, device: torch.device | str, workspace_bytes: int = 256 << 20) -> None:
-        import flashinfer
+        try:
+            import flashinfer
+        except ImportError as e:
+            raise RuntimeError("--tangram-extend-kernel flashinfer needs the flashinfer package (flashinfer-python "
+                               "0.6.15, installed with sglang's GPU stack)") from e
 
         cuda = torch.device(device).type == "cuda"
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)

@@ -158,3 +158,9 @@ def test_no_prefix_step_is_the_chunk_pass(monkeypatch):
     monkeypatch.setattr(_Paged, "plan", lambda self, *a, **k: planned.append(a))
     _run_case(4, 2, 16, [5, 9], [[0, 0], [0, 0]], "cpu")
     assert planned == []
+
+
+def test_missing_flashinfer_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer -> ImportError
+    with pytest.raises(RuntimeError, match="needs the flashinfer package"):
+        FlashInferExtend("cpu")
