@@ -110,13 +110,14 @@ class DeviceSlotLists:
         m = self.mirrors[rid]
         return all(n < c for n, c in zip(m.lens, m.caps))
 
-    def upload(self, rid: Hashable, lists: Sequence[torch.Tensor], room: Sequence[int], version: int,
+    def upload(self, rid: Hashable, lens: Sequence[int], slots: torch.Tensor, room: Sequence[int], version: int,
                tokens: int) -> bool:
-        """Mirror ``rid``'s whole lists (int32 slot tensors, one per group, best on the arena's device) with
-        ``room[g]`` spare entries per group. False when the arena cannot hold them even after clearing every
-        mirror."""
+        """Mirror ``rid``'s whole lists — ``slots``: int32, the groups' lists one after another (``lens[g]``
+        entries of group g: ``TangramKVManager.slot_lists`` of the request), best on the arena's device — with
+        ``room[g]`` spare entries per group, in one scatter. False when the arena cannot hold them even after
+        clearing every mirror."""
         self.drop(rid)
-        caps = [len(x) + r for x, r in zip(lists, room)]
+        caps = [n + r for n, r in zip(lens, room)]
         size = sum(caps)
         block = self.ranges.alloc(size) if size else 0
         if block is None and self.ranges.free_total >= size:  # fragmented: rebuild every mirror on demand
@@ -126,9 +127,15 @@ class DeviceSlotLists:
             return False
         starts = [block + sum(caps[:g]) for g in range(self.num_groups)]
         self.arena[block: block + size].zero_()  # each list, then its room as zeros
-        for s, x in zip(starts, lists):
-            self.arena[s: s + len(x)].copy_(torch.as_tensor(x))
-        self.mirrors[rid] = SlotMirror(block, size, starts, caps, [len(x) for x in lists], version, tokens)
+        total = sum(lens)
+        if total:  # entry j of group g goes from slots[src_g + j] to arena[starts[g] + j]
+            src = [sum(lens[:g]) for g in range(self.num_groups)]
+            dev = self.arena.device
+            shift = torch.tensor([a - b for a, b in zip(starts, src)]).to(dev, non_blocking=True)
+            count = torch.tensor(list(lens)).to(dev, non_blocking=True)
+            dst = torch.arange(total, device=dev) + torch.repeat_interleave(shift, count, output_size=total)
+            self.arena[dst] = slots.to(dev, torch.int32)
+        self.mirrors[rid] = SlotMirror(block, size, starts, caps, list(lens), version, tokens)
         return True
 
     def append(self, rids: Sequence[Hashable], token_slots: torch.Tensor) -> None:

@@ -431,7 +431,8 @@ class TangramKVManager:
                 for g in range(self.num_groups)]
 
     def request_lists(self, rid: Hashable, device: torch.device | None = None) -> list[torch.Tensor]:
-        """int32 slots of each group's list of ``rid``, on ``device`` (default: the host)."""
+        """int32 slots of each group's list of ``rid``, on ``device`` (default: the host), concatenated per
+        group from the segments' per-group lists: the reference :meth:`slot_lists` is checked against."""
         return [torch.cat(p) if p else torch.empty(0, dtype=torch.int32, device=device)
                 for p in self._list_parts(rid, device)]
 
@@ -493,8 +494,8 @@ class TangramKVManager:
                 if dl.current(req.rid, req.version, n) or (
                         dl.current(req.rid, req.version, n - 1) and dl.can_append(req.rid)):
                     continue
-                if not dl.upload(req.rid, self.request_lists(req.rid, self.pool.device), self._decode_room(req),
-                                 req.version, n):
+                indptr, slots = self.slot_lists([req.rid], self.pool.device)
+                if not dl.upload(req.rid, indptr.diff().tolist(), slots, self._decode_room(req), req.version, n):
                     return None
             if all(req.rid in dl.mirrors for req in reqs):
                 break
