@@ -16,7 +16,8 @@
 #   bench_r1_fi / bench_r025_fi   the same with --tangram-extend-kernel flashinfer
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
 #   soak_start, soak_finish   the same over two back-to-back calls (6.5 + 3.5 minutes of load on one server)
-#   stephost  eval/bench_step_host.py: host metadata time per decode / extend step vs the GPU attention (no server)
+#   stephost  eval/bench_step_host.py: host metadata time per decode / extend step vs the GPU attention (no server);
+#           stephost_fi the same with --extend-kernel flashinfer
 #   accuracy  eval/accuracy_server.py: SmolLM2 servers (stock triton, tangram r0.5) on the CPU accuracy run's conversations
 #   kernels  eval/bench_kernels.py: decode CTA-target study and Triton grid (no FlashInfer)
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
@@ -112,6 +113,10 @@ stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SM
   tangram:"$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.5.json 2>&1 | tail -40; }
 stage_stephost() {
   (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --out "$OUT" 2>&1 | tail -12)
+}
+stage_stephost_fi() {  # the same with extend attention through FlashInfer (its per-layer plans in the layer time)
+  (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --extend-kernel flashinfer \
+     --name bench_step_host_fi --out "$OUT" 2>&1 | tail -12)
 }
 exact_runs() {
   uniform_r1 "$SMOL" /tmp/smollm2.uniform.r1.0.json
