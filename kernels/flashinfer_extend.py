@@ -47,7 +47,7 @@ def pseudo_token_indices(kv_indptr: np.ndarray, kv_indices: torch.Tensor, head_g
     if total == 0:
         return indptr.astype(np.int32), torch.empty(0, dtype=torch.int32, device=dev)
     cols = np.tile(np.asarray(head_column, dtype=np.int64), batch)
-    meta = torch.from_numpy(np.stack([src, indptr[:-1], cols, lens])).to(dev)
+    meta = torch.from_numpy(np.stack([src, indptr[:-1], cols, lens])).to(dev, non_blocking=True)
     row = torch.repeat_interleave(torch.arange(len(seg), device=dev), meta[3], output_size=total)
     slot = kv_indices.long()[meta[0][row] + torch.arange(total, device=dev) - meta[1][row]]
     pseudo = ((slot // page_size) * heads_per_group + meta[2][row]) * page_size + slot % page_size
@@ -122,7 +122,7 @@ class FlashInferExtendStep:
         self.qo_indptr = torch.tensor(list(offsets), dtype=torch.int32)
         dev = kv_indices.device
         fwd, inv, self.pseudo_qo = pseudo_request_order(offsets, num_kv_heads)
-        self.fwd, self.inv = torch.from_numpy(fwd).to(dev), torch.from_numpy(inv).to(dev)
+        self.fwd, self.inv = (torch.from_numpy(x).to(dev, non_blocking=True) for x in (fwd, inv))
         self.has_prefix = bool(self.kv_indptr[-1] > 0)
         self._scale: float | None = None
         self._layers = 0

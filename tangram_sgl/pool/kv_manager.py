@@ -470,7 +470,7 @@ class TangramKVManager:
         piece_len, piece_src = piece_len[keep], piece_src[keep]
         piece_dst = np.cumsum(piece_len) - piece_len  # pieces are already in output order
         slots = torch.cat([t.slots for t in flat])
-        meta = torch.from_numpy(np.stack([piece_src - piece_dst, piece_len])).to(slots.device)
+        meta = torch.from_numpy(np.stack([piece_src - piece_dst, piece_len])).to(slots.device, non_blocking=True)
         shift = torch.repeat_interleave(meta[0], meta[1], output_size=total)  # source - destination, per slot
         return indptr, slots[torch.arange(total, device=slots.device) + shift]
 

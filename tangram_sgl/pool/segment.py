@@ -101,7 +101,7 @@ class Segment:
         tables = self._tables[1]
         if dev not in tables:
             host = tables[torch.device("cpu")]
-            tables[dev] = SlotTable(host.slots.to(dev), host.lengths, host.offsets)
+            tables[dev] = SlotTable(host.slots.to(dev, non_blocking=True), host.lengths, host.offsets)
         return tables[dev]
 
     @property
