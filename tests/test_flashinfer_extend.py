@@ -2,8 +2,13 @@
 plumbing against a torch stand-in with FlashInfer's documented semantics, and on a GPU the real FlashInfer
 0.6.15 against the torch reference (``TANGRAM_KERNEL_TEST_DEVICE=cuda``)."""
 
-import itertools
 import os
+
+DEV = os.environ.get("TANGRAM_KERNEL_TEST_DEVICE", "cpu")
+if DEV == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads: later modules run Triton kernels on CPU
+
+import itertools
 import sys
 import types
 
@@ -15,7 +20,6 @@ from tangram_sgl.kernels.extend import extend_attention_torch
 from tangram_sgl.kernels.flashinfer_extend import FlashInferExtend, pseudo_request_order, pseudo_token_indices
 from test_kernels import layer_map, make_pool
 
-DEV = os.environ.get("TANGRAM_KERNEL_TEST_DEVICE", "cpu")
 # (gqa, hkv, page, new tokens per row, prefix lengths[r][g]): partial pages (two segments per list), empty
 # groups, a row with no prefix beside rows with one, page size 1, gqa 1/3/8
 CASES = [
