@@ -59,16 +59,14 @@ def pseudo_request_order(offsets: Sequence[int], num_kv_heads: int) -> tuple[np.
     blocks of ``q.view(T*Hkv, G_q, D)`` into pseudo order (request, kv head, token), its inverse, the pseudo
     requests' qo indptr ``[B*Hkv+1]``)."""
     off = np.asarray(offsets, dtype=np.int64)
-    parts, qo = [], [0]
-    for r in range(len(off) - 1):
-        tok = np.arange(off[r], off[r + 1])
-        for h in range(num_kv_heads):
-            parts.append(tok * num_kv_heads + h)
-            qo.append(qo[-1] + len(tok))
-    fwd = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    rows = np.repeat(np.diff(off), num_kv_heads)  # tokens of each pseudo-request (r, h)
+    qo = np.concatenate([[0], np.cumsum(rows)])
+    pid = np.repeat(np.arange(len(rows)), rows)  # pseudo-request of each entry
+    r, h = pid // num_kv_heads, pid % num_kv_heads
+    fwd = (off[r] + np.arange(len(pid)) - qo[pid]) * num_kv_heads + h
     inv = np.empty_like(fwd)
     inv[fwd] = np.arange(len(fwd))
-    return fwd, inv, np.asarray(qo, dtype=np.int32)
+    return fwd, inv, qo.astype(np.int32)
 
 
 class _Planned:
