@@ -144,6 +144,16 @@ def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
     return runs, dict(first["data"]["args"]), {"versions": first["versions"], "device": first["device"]}
 
 
+def short_label(run: dict) -> str:
+    """``stock flashinfer`` / ``tangram r0.25`` (+ its extend kernel when not the default) for plots."""
+    kind, _, arg = run["server"].partition(":")
+    if kind == "stock":
+        return f"stock {arg}"
+    ratio = run.get("target_ratio")
+    name = f"tangram r{ratio:g}" if ratio is not None else run["label"]
+    return name + (f" ({kind.partition('@')[2]})" if "@" in kind else "")
+
+
 def plot(runs: list[dict], path: Path) -> None:
     """Output tokens/s and TTFT p50/p90 of every run that finished, one bar group per server and context."""
     import matplotlib
@@ -152,7 +162,7 @@ def plot(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     done = [r for r in runs if "summary" in r]
-    labels = [f"{r['label']}\n{r['context']}" for r in done]
+    labels = [f"{short_label(r)}\n{r['context']}" for r in done]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     a1.bar(labels, [r["summary"]["output_tokens_per_s"] for r in done], color="tab:blue")
     a1.set_ylabel("output tokens/s")
@@ -196,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     measured_on = None
     if a.merge:
         runs, run_args, measured_on = merged_runs(a.merge)
-        run_args["merged_from"] = [p.name for p in a.merge]
+        run_args["merged_from"] = list(dict.fromkeys(r["measured_by"]["file"] for r in runs))
         contexts = list(dict.fromkeys((r["context"], r["doc_tokens"]) for r in runs))
     elif a.servers and a.model_path:
         run_args = {k: str(v) for k, v in vars(a).items()}

@@ -103,3 +103,10 @@ def test_server_specs():
         "tangram_flashinfer_x", "/p/x.json", ["--tangram-extend-kernel", "flashinfer"])
     with pytest.raises(ValueError, match="expected stock"):
         parse_server_spec("stock@flashinfer:triton")
+
+
+def test_plot_labels_are_short():
+    assert bench_serving.short_label({"server": "stock:flashinfer"}) == "stock flashinfer"
+    assert bench_serving.short_label({"server": "tangram:/p/x.json", "target_ratio": 0.25}) == "tangram r0.25"
+    assert bench_serving.short_label({"server": "tangram@flashinfer:/p/x.json", "target_ratio": 1.0}) == (
+        "tangram r1 (flashinfer)")
