@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -33,7 +34,15 @@ from pathlib import Path
 
 import requests
 from results_io import summary_row, write_result
-from server_proc import TEMPLATES, ServerProcess, decode_batches, gauge, parse_server_spec, server_args
+from server_proc import (
+    TEMPLATES,
+    ServerProcess,
+    decode_batches,
+    gauge,
+    parse_server_spec,
+    prefill_chunk_rates,
+    server_args,
+)
 
 from tangram_sgl.profile import load_profile
 
@@ -100,6 +109,7 @@ def run_one(spec: str, ctx_name: str, doc_tokens: int, a: argparse.Namespace) ->
     m = re.search(r"max_total_num_tokens=(\d+)", log)
     run["max_total_num_tokens"] = int(m.group(1)) if m else None
     run["decode_batches_logged"], run["decode_batches_in_graphs"] = decode_batches(log.splitlines())
+    run["prefill_chunk_tok_s"] = prefill_chunk_rates(log)
     s = run.get("summary")
     if s and run["max_total_num_tokens"] and run.get("kept_fraction"):
         per_session = (s["prompt_tokens"] / max(s["turns_ok"], 1) + a.max_tokens)  # ~ the last turn's length
@@ -141,6 +151,10 @@ def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
             raise ValueError(f"{path} ran another workload than {paths[0]} ({', '.join(diff)} differ)")
     runs = [{"measured_by": {"file": p.name, "command": d["command"], "date": d["date"]}, **r}  # a merged file's
             for p, d in zip(paths, docs) for r in d["data"]["runs"]]                      # runs keep theirs
+    for p, r in zip([p for p, d in zip(paths, docs) for _ in d["data"]["runs"]], runs):
+        log = p.parent / f"server_bench_{r['label']}_{r['context']}.log"  # beside its file, as run_one writes it
+        if "prefill_chunk_tok_s" not in r and log.exists():
+            r["prefill_chunk_tok_s"] = prefill_chunk_rates(log.read_text(errors="replace"))
     return runs, dict(first["data"]["args"]), {"versions": first["versions"], "device": first["device"]}
 
 
@@ -223,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             tput = r["summary"]["output_tokens_per_s"]
             summary.append(summary_row(f"{r['label']} {name}: output tokens/s", round(tput, 1), "tok/s"))
+            if r.get("prefill_chunk_tok_s"):
+                rates = r["prefill_chunk_tok_s"]
+                summary.append(summary_row(
+                    f"{r['label']} {name}: prefill tok/s of whole chunks, median (min {min(rates):.0f}, max "
+                    f"{max(rates):.0f}, {len(rates)} chunks)", round(statistics.median(rates)), "tok/s"))
             if base is not None and r is not base:
                 ratio = tput / base["summary"]["output_tokens_per_s"]
                 target = throughput_target(r.get("target_ratio"), name)

@@ -126,6 +126,19 @@ def parse_server_spec(spec: str) -> tuple[str, str | None, list[str]]:
                      f"tangram[@<extend kernel>]:<profile.json>")
 
 
+PREFILL_LINE = re.compile(r"Prefill batch.*#new-token: (\d+).*input throughput \(token/s\): ([\d.]+)")
+CHUNK_SIZE = re.compile(r"chunked_prefill_size=(\d+)")
+
+
+def prefill_chunk_rates(log: str) -> list[float]:
+    """Input tok/s SGLang logged for every prefill batch of exactly one chunk (``chunked_prefill_size`` from
+    the server-args dump at the top of the log), in order: how prefill speed moves along long documents."""
+    m = CHUNK_SIZE.search(log)
+    if not m:
+        return []
+    return [float(r) for n, r in PREFILL_LINE.findall(log) if int(n) == int(m.group(1))]
+
+
 def decode_batches(log: Sequence[str]) -> tuple[int, int]:
     """(decode-batch lines of a server log, those SGLang ran as a CUDA-graph replay: ``cuda graph: True``)."""
     lines = [ln for ln in log if "Decode batch" in ln]

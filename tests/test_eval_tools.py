@@ -110,3 +110,17 @@ def test_plot_labels_are_short():
     assert bench_serving.short_label({"server": "tangram:/p/x.json", "target_ratio": 0.25}) == "tangram r0.25"
     assert bench_serving.short_label({"server": "tangram@flashinfer:/p/x.json", "target_ratio": 1.0}) == (
         "tangram r1 (flashinfer)")
+
+
+def test_prefill_chunk_rates_from_a_server_log():
+    from server_proc import prefill_chunk_rates
+
+    lines = ("server_args=ServerArgs(model_path='m', chunked_prefill_size=8192, page_size=16)",
+             "[t] Prefill batch, #new-seq: 1, #new-token: 16, #cached-token: 0, input throughput (token/s): 13.24",
+             ("[t] Prefill batch, #new-seq: 2, #new-token: 8192, #cached-token: 6, cuda graph: False, input "
+              "throughput (token/s): 27463.52"),
+             "[t] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token: 0, input throughput (token/s): 21202.88",
+             "[t] Decode batch, #running-req: 16, gen throughput (token/s): 14.00")
+    log = "\n".join(lines)
+    assert prefill_chunk_rates(log) == [27463.52, 21202.88]
+    assert prefill_chunk_rates(log.split("\n", 1)[1]) == []  # no chunk size logged: nothing to compare against
