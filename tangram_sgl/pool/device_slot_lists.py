@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tangram_sgl.pool.segment import piece_positions
+
 
 class RangeAllocator:
     """First-fit allocation of integer ranges in ``[0, capacity)``; freed ranges merge with neighbours."""
@@ -131,10 +133,8 @@ class DeviceSlotLists:
         if total:  # entry j of group g goes from slots[src_g + j] to arena[starts[g] + j]
             src = [sum(lens[:g]) for g in range(self.num_groups)]
             dev = self.arena.device
-            shift = torch.tensor([a - b for a, b in zip(starts, src)]).to(dev, non_blocking=True)
-            count = torch.tensor(list(lens)).to(dev, non_blocking=True)
-            dst = torch.arange(total, device=dev) + torch.repeat_interleave(shift, count, output_size=total)
-            self.arena[dst] = slots.to(dev, torch.int32)
+            shift, count = torch.tensor([[a - b for a, b in zip(starts, src)], list(lens)]).to(dev, non_blocking=True)
+            self.arena[piece_positions(shift, count, total)] = slots.to(dev, torch.int32)
         self.mirrors[rid] = SlotMirror(block, size, starts, caps, list(lens), version, tokens)
         return True
 

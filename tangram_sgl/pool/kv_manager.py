@@ -25,7 +25,7 @@ from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.pool.device_slot_lists import DeviceSlotLists
 from tangram_sgl.pool.group_page_pool import GroupPagePool
 from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, SegmentWrites, segment_kept_counts
-from tangram_sgl.pool.segment import GroupSlots, Segment
+from tangram_sgl.pool.segment import GroupSlots, Segment, piece_positions
 from tangram_sgl.pool.step_writes import CompressedWrites, FullSegmentWrites
 from tangram_sgl.profile import TangramProfile
 from tangram_sgl.radix.tree import SegmentNode, SegmentTree
@@ -471,8 +471,7 @@ class TangramKVManager:
         piece_dst = np.cumsum(piece_len) - piece_len  # pieces are already in output order
         slots = torch.cat([t.slots for t in flat])
         meta = torch.from_numpy(np.stack([piece_src - piece_dst, piece_len])).to(slots.device, non_blocking=True)
-        shift = torch.repeat_interleave(meta[0], meta[1], output_size=total)  # source - destination, per slot
-        return indptr, slots[torch.arange(total, device=slots.device) + shift]
+        return indptr, slots[piece_positions(meta[0], meta[1], total)]  # shift: source - destination
 
     def _decode_room(self, req: RequestKV) -> list[int]:
         """Per group: the decode slots already reserved for ``req`` (spare pages, rest of its decode page),
