@@ -15,9 +15,10 @@ Per layer (:meth:`ForwardStep.attend`):
   lists ; its own staging K/V, causal] (the Triton/torch kernel, or, with ``extend_kernel="flashinfer"``,
   FlashInfer's chunk + per-layer-planned prefix passes: ``kernels/flashinfer_extend.py``); then each
   extend row's segment is scored (the profile's scorer on the segment's observation window) and each head
-  keeps its protected and top-scored tokens in the reserved slots, all compressed rows in one batch per layer (``compressed_segment_writes``); rows every
-  group keeps whole (short turns, budget 1.0) are written together without selection
-  (``full_segment_writes``); decode rows (mixed batches) write their token's K/V into their decode slots.
+  keeps its protected and top-scored tokens in the reserved slots, all compressed rows in one batch per
+  layer (``compressed_segment_writes``); rows every group keeps whole (short turns, budget 1.0) are written
+  together without selection (``full_segment_writes``); decode rows (mixed batches) write their token's
+  K/V into their decode slots.
 
 After the last layer the caller runs :meth:`ForwardStep.commit` (extend rows' segments become committed).
 """
