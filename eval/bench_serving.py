@@ -136,9 +136,10 @@ def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
     and date it was measured with."""
     docs = [json.loads(p.read_text()) for p in paths]
     first = docs[0]
-    windows = {w for w in map(_window, docs) if w is not None}
-    longest_finished = max((r["summary"]["wall_s"] for d in docs if _window(d) is None for r in d["data"]["runs"]),
-                           default=0.0)
+    window_of = [_window(d) for d in docs]
+    windows = {w for w in window_of if w is not None}
+    longest_finished = max((r["summary"]["wall_s"] for d, w in zip(docs, window_of) if w is None
+                            for r in d["data"]["runs"]), default=0.0)
     if len(windows) > 1 or (windows and longest_finished > min(windows)):
         given = ", ".join(str(d["data"]["args"].get("duration")) for d in docs)
         raise ValueError(f"the files' replay windows differ ({given} s) and the shorter ones cut turns or "
@@ -149,12 +150,14 @@ def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
             diff.append("device")
         if diff:
             raise ValueError(f"{path} ran another workload than {paths[0]} ({', '.join(diff)} differ)")
-    runs = [{"measured_by": {"file": p.name, "command": d["command"], "date": d["date"]}, **r}  # a merged file's
-            for p, d in zip(paths, docs) for r in d["data"]["runs"]]                      # runs keep theirs
-    for p, r in zip([p for p, d in zip(paths, docs) for _ in d["data"]["runs"]], runs):
-        log = p.parent / f"server_bench_{r['label']}_{r['context']}.log"  # beside its file, as run_one writes it
-        if "prefill_chunk_tok_s" not in r and log.exists():
-            r["prefill_chunk_tok_s"] = prefill_chunk_rates(log.read_text(errors="replace"))
+    runs = []
+    for p, d in zip(paths, docs):
+        for r in d["data"]["runs"]:  # a merged file's runs keep the file they were measured in
+            run = {"measured_by": {"file": p.name, "command": d["command"], "date": d["date"]}, **r}
+            log = p.parent / f"server_bench_{r['label']}_{r['context']}.log"  # beside its file, as run_one writes it
+            if "prefill_chunk_tok_s" not in run and log.exists():
+                run["prefill_chunk_tok_s"] = prefill_chunk_rates(log.read_text(errors="replace"))
+            runs.append(run)
     return runs, dict(first["data"]["args"]), {"versions": first["versions"], "device": first["device"]}
 
 

@@ -148,7 +148,6 @@ class ForwardStep:
             indptr, self.kv_indices = kv.slot_lists(self.rids, dev)
             self.token_slots = kv.open_decode_slots(decode_rids, decode_token_ids).to(dev) if decode_rows else None
             self.kv_indptr = indptr.to(dev)
-            self._kv_indptr_host = indptr
         lens = torch.tensor([r.n for r in self.rows], dtype=torch.int32)
         offsets = torch.zeros(len(self.rows) + 1, dtype=torch.int32)
         offsets[1:] = torch.cumsum(lens, 0)
@@ -156,9 +155,9 @@ class ForwardStep:
         self.qo_indptr = offsets.to(dev)
         self.max_new = int(lens.max())
         self.fi_step = None
-        if ctx.flashinfer_extend is not None and not self.decode_only:
+        if ctx.flashinfer_extend is not None and not self.decode_only:  # indptr: the host CSR built above
             lay = kv.layout
-            self.fi_step = ctx.flashinfer_extend.step(self.offsets, self._kv_indptr_host.numpy(), self.kv_indices,
+            self.fi_step = ctx.flashinfer_extend.step(self.offsets, indptr.numpy(), self.kv_indices,
                                                       num_kv_heads=lay.num_kv_heads, page_size=lay.page_size,
                                                       heads_per_group=lay.heads_per_group)
         self.decode_index = torch.tensor([self.offsets[i] for i in decode_rows], dtype=torch.long, device=dev)
