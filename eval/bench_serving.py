@@ -10,7 +10,8 @@ memory, and the sessions its KV memory holds at once (plot: throughput and TTFT 
 - tangram: the same, divided by the kept fraction the ``sglang:tangram_kv_kept_bytes / kv_full_bytes``
   gauges report after the run (pages actually in use over the same tokens as full KV).
 
-Servers: ``stock:<attention backend>`` or ``tangram:<profile.json>`` (label = profile stem).
+Servers: ``stock:<attention backend>`` or ``tangram[@<extend kernel>]:<profile.json>`` (label: the extend
+kernel and the profile stem).
 ``--duration S`` makes every replay a fixed window of S seconds (turns in flight at its end are cut, not
 errors), so an overloaded server is measured over the same time as the others instead of timing out.
 Each server start costs minutes, so on a device with a 10-minute command limit run one server per call
@@ -43,6 +44,7 @@ from server_proc import (
     prefill_chunk_rates,
     server_args,
 )
+from tangram_sgl.patches.server_args import EXTEND_KERNELS
 
 from tangram_sgl.profile import load_profile
 
@@ -162,13 +164,16 @@ def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
 
 
 def short_label(run: dict) -> str:
-    """``stock flashinfer`` / ``tangram r0.25`` (+ its extend kernel when not the default) for plots."""
+    """``stock flashinfer`` / ``tangram r0.25 (triton)`` for plots: tangram runs name their extend kernel, the
+    one ``tangram@<kernel>:`` gave or else the label's (runs recorded before labels named it ran Triton)."""
     kind, _, arg = run["server"].partition(":")
     if kind == "stock":
         return f"stock {arg}"
     ratio = run.get("target_ratio")
     name = f"tangram r{ratio:g}" if ratio is not None else run["label"]
-    return name + (f" ({kind.partition('@')[2]})" if "@" in kind else "")
+    kernel = kind.partition("@")[2] or next((k for k in EXTEND_KERNELS if run["label"].startswith(f"tangram_{k}_")),
+                                            "triton")
+    return f"{name} ({kernel})"
 
 
 def plot(runs: list[dict], path: Path) -> None:
@@ -179,7 +184,7 @@ def plot(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     done = [r for r in runs if "summary" in r]
-    labels = [f"{short_label(r)}\n{r['context']}" for r in done]
+    labels = [f"{short_label(r).replace(' (', chr(10) + '(')}\n{r['context']}" for r in done]  # kernel: own line
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     a1.bar(labels, [r["summary"]["output_tokens_per_s"] for r in done], color="tab:blue")
     a1.set_ylabel("output tokens/s")

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "eval"))
 
 from results_io import RESULTS, summary_row, write_result
+from tangram_sgl.patches.server_args import DEFAULT_EXTEND_KERNEL, EXTEND_KERNELS
 
 from tangram_sgl.attention.forward_step import AttentionContext, StepRow
 from tangram_sgl.budget import pages_for
@@ -99,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--head-dim", type=int, help="default: the profile's (use a small one on CPU)")
     p.add_argument("--questions", default="16,96", help="question lengths of the timed extend batches")
-    p.add_argument("--extend-kernel", choices=("flashinfer",), help="extend attention through FlashInfer (as "
-                   "--tangram-extend-kernel flashinfer; default: the kernel set's)")
+    p.add_argument("--extend-kernel", choices=EXTEND_KERNELS, help="extend attention, as --tangram-extend-kernel "
+                   f"(default: {DEFAULT_EXTEND_KERNEL} on CUDA, as the server; the Triton/torch kernel set elsewhere)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="bench_step_host")
     a = p.parse_args(argv)
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     num_pages = pool_pages(HeadGroupLayout.from_profile(profile), profile, a.requests, a.context, a.chunk, room)
     kv = TangramKVManager.from_profile(profile, num_pages, head_dim=a.head_dim, dtype=torch.bfloat16
                                        if dev.type == "cuda" else torch.float32, device=dev)
-    ctx = AttentionContext.create(kv, profile, extend_kernel=a.extend_kernel)
+    kernel = a.extend_kernel or (DEFAULT_EXTEND_KERNEL if dev.type == "cuda" else "triton")
+    ctx = AttentionContext.create(kv, profile, extend_kernel=None if kernel == "triton" else kernel)
     gen = torch.Generator(device=dev).manual_seed(0)
     rids = [f"s{i}" for i in range(a.requests)]
     prefill_ms = []
@@ -158,14 +160,14 @@ def main(argv: list[str] | None = None) -> int:
                             "first_full_batch_layers_ms": layer_times[1], "compressed": bool(step.compressed)}
 
     med = statistics.median
-    data = {"profile": Path(a.profile).name, "extend_kernel": a.extend_kernel or ctx.kernels.name,
+    data = {"profile": Path(a.profile).name, "extend_kernel": kernel if kernel != "triton" else ctx.kernels.name,
             "requests": a.requests, "context": a.context, "chunk": a.chunk,
             "groups": lay.num_groups, "heads_per_group": lay.heads_per_group, "page_size": lay.page_size,
             "head_dim": d, "decode_steps": a.steps, "decode_host_ms": host_ms, "decode_attention_ms": gpu_ms,
             "csr_rebuild_ms": csr_ms, "csr_entries": csr_entries, "extend": extend, "prefill_chunk_write_ms": prefill_ms,
             "arena_used": kv.device_lists.used,
             "arena_capacity": kv.device_lists.capacity, "arena_fallback_steps": kv.arena_fallback_steps}
-    tag = f"{a.requests} x {a.context // 1024}k, {Path(a.profile).stem}" + (", FlashInfer extend" if a.extend_kernel else "")
+    tag = f"{a.requests} x {a.context // 1024}k, {Path(a.profile).stem}, {data['extend_kernel']} extend"
     summary = [
         summary_row(f"decode step host metadata (median, {tag})", round(med(host_ms[1:] or host_ms), 3), "ms"),
         summary_row(f"decode step attention, all layers (median, {tag})", round(med(gpu_ms[1:] or gpu_ms), 3), "ms"),

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Self
 
 import requests
+from tangram_sgl.patches.server_args import DEFAULT_EXTEND_KERNEL
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -118,10 +119,9 @@ def parse_server_spec(spec: str) -> tuple[str, str | None, list[str]]:
     kind, _, extend_kernel = kind.partition("@")
     if kind == "stock" and arg and not extend_kernel:
         return f"stock_{arg}", None, ["--attention-backend", arg]
-    if kind == "tangram" and arg:
-        if extend_kernel:
-            return (f"tangram_{extend_kernel}_{Path(arg).stem}", arg, ["--tangram-extend-kernel", extend_kernel])
-        return f"tangram_{Path(arg).stem}", arg, []
+    if kind == "tangram" and arg:  # the label names the extend kernel, the default one included
+        flags = ["--tangram-extend-kernel", extend_kernel] if extend_kernel else []
+        return f"tangram_{extend_kernel or DEFAULT_EXTEND_KERNEL}_{Path(arg).stem}", arg, flags
     raise ValueError(f"server spec {spec!r}: expected stock:<attention backend> or "
                      f"tangram[@<extend kernel>]:<profile.json>")
 

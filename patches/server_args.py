@@ -31,6 +31,7 @@ ENV_POLICY = "TANGRAM_KV_POLICY"
 ENV_PROFILE = "TANGRAM_PROFILE"
 ENV_EXTEND_KERNEL = "TANGRAM_EXTEND_KERNEL"
 EXTEND_KERNELS = ("triton", "flashinfer")
+DEFAULT_EXTEND_KERNEL = "flashinfer"  # faster on the H200 at every measured shape (eval/results/bench_extend.json)
 _SA = "sglang.srt.server_args.ServerArgs"
 
 # Features whose KV handling tangram_sgl does not implement: (ServerArgs field, its "off" value, flag).
@@ -57,8 +58,9 @@ def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tangram-profile", type=str, default=None,
                        help="Budget profile JSON made by `tangram-sgl profile` (or `tangram-sgl synth`).")
     group.add_argument("--tangram-extend-kernel", choices=EXTEND_KERNELS, default=None,
-                       help="Prefill attention of the tangram backend: 'triton' (default) or 'flashinfer' "
-                            "(FlashInfer's chunk + per-(request, kv head) prefix passes, planned per layer).")
+                       help="Prefill attention of the tangram backend: 'flashinfer' (default: FlashInfer's chunk + "
+                            "per-(request, kv head) prefix passes, planned per layer) or 'triton' (our Triton extend "
+                            "kernel; 1.1-2.9x slower on the H200, eval/results/bench_extend.json).")
 
 
 def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profile_path: str | None,
@@ -108,7 +110,7 @@ def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profil
     fields["page_size"] = profile.page_size
     os.environ[ENV_POLICY] = "tangram"
     os.environ[ENV_PROFILE] = str(Path(profile_path).resolve())
-    os.environ[ENV_EXTEND_KERNEL] = extend_kernel or "triton"
+    os.environ[ENV_EXTEND_KERNEL] = extend_kernel or DEFAULT_EXTEND_KERNEL
 
 
 def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:

@@ -98,7 +98,9 @@ def test_server_specs():
     from server_proc import parse_server_spec
 
     assert parse_server_spec("stock:flashinfer") == ("stock_flashinfer", None, ["--attention-backend", "flashinfer"])
-    assert parse_server_spec("tangram:/p/x.r1.json") == ("tangram_x.r1", "/p/x.r1.json", [])
+    assert parse_server_spec("tangram:/p/x.r1.json") == ("tangram_flashinfer_x.r1", "/p/x.r1.json", [])
+    assert parse_server_spec("tangram@triton:/p/x.json") == (
+        "tangram_triton_x", "/p/x.json", ["--tangram-extend-kernel", "triton"])
     assert parse_server_spec("tangram@flashinfer:/p/x.json") == (
         "tangram_flashinfer_x", "/p/x.json", ["--tangram-extend-kernel", "flashinfer"])
     with pytest.raises(ValueError, match="expected stock"):
@@ -107,9 +109,13 @@ def test_server_specs():
 
 def test_plot_labels_are_short():
     assert bench_serving.short_label({"server": "stock:flashinfer"}) == "stock flashinfer"
-    assert bench_serving.short_label({"server": "tangram:/p/x.json", "target_ratio": 0.25}) == "tangram r0.25"
-    assert bench_serving.short_label({"server": "tangram@flashinfer:/p/x.json", "target_ratio": 1.0}) == (
-        "tangram r1 (flashinfer)")
+    # the label names the default kernel; labels from before it did (only the profile stem) ran Triton
+    assert bench_serving.short_label({"server": "tangram:/p/x.json", "label": "tangram_flashinfer_x",
+                                      "target_ratio": 0.25}) == "tangram r0.25 (flashinfer)"
+    assert bench_serving.short_label({"server": "tangram:/p/x.json", "label": "tangram_x",
+                                      "target_ratio": 0.25}) == "tangram r0.25 (triton)"
+    assert bench_serving.short_label({"server": "tangram@flashinfer:/p/x.json", "label": "tangram_flashinfer_x",
+                                      "target_ratio": 1.0}) == "tangram r1 (flashinfer)"
 
 
 def test_prefill_chunk_rates_from_a_server_log():

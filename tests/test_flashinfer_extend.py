@@ -58,11 +58,12 @@ def test_pseudo_request_order_is_request_head_token():
 def _attend(q, k, v, causal, scale):
     """[n, gq, d] queries over [m, d] keys -> (out [n, gq, d], natural-log lse [n, gq]); empty kv -> 0, -inf."""
     if k.shape[0] == 0:
-        return torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"))
+        return torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), device=q.device)
     s = torch.einsum("ngd,md->ngm", q.float(), k.float()) * scale
     if causal:
-        n, m = q.shape[0], k.shape[0]
-        s = s.masked_fill(torch.arange(m)[None, None, :] > torch.arange(n)[:, None, None] + (m - n), float("-inf"))
+        n, m, dev = q.shape[0], k.shape[0], q.device
+        future = torch.arange(m, device=dev)[None, None, :] > torch.arange(n, device=dev)[:, None, None] + (m - n)
+        s = s.masked_fill(future, float("-inf"))
     lse = torch.logsumexp(s, -1)
     return torch.einsum("ngm,md->ngd", torch.softmax(s, -1), v.float()).to(q.dtype), lse
 
@@ -77,7 +78,7 @@ class _Ragged:
         self.qo, self.kv, self.hq, self.hkv, self.causal, self.scale = qo_indptr, kv_indptr, hq, hkv, causal, sm_scale
 
     def run(self, q, k, v, return_lse=False):
-        out, lse, gq = torch.empty_like(q), torch.empty(q.shape[:2]), self.hq // self.hkv
+        out, lse, gq = torch.empty_like(q), torch.empty(q.shape[:2], device=q.device), self.hq // self.hkv
         for r in range(len(self.qo) - 1):
             qs, ks = slice(int(self.qo[r]), int(self.qo[r + 1])), slice(int(self.kv[r]), int(self.kv[r + 1]))
             for h in range(self.hkv):
@@ -97,7 +98,7 @@ class _Paged(_Ragged):
 
     def run(self, q, kv, return_lse=False):
         k_pages, v_pages = kv
-        out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=q.device)
         for r in range(len(self.qo) - 1):
             pages = self.indices[int(self.ptr[r]):int(self.ptr[r + 1])].long()
             n = max(len(pages) - 1, 0) * self.ps + int(self.last[r])
@@ -120,7 +121,7 @@ def flashinfer_standin() -> types.SimpleNamespace:
 
 
 def _run_case(gqa, hkv, page, n_new, lengths, dev, layers=2):
-    G, hp, D = len(lengths[0]), 2, 32
+    G, hp, D = len(lengths[0]), 2, 64  # FlashInfer's prefill kernels: head dim 64/128/256
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     k, v, indptr, indices = make_pool(lengths, page_size=page, heads_per_group=hp, head_dim=D, seed=3)
     k, v, indices = k.to(dev, dtype), v.to(dev, dtype), indices.to(dev)

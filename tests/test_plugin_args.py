@@ -65,10 +65,10 @@ def test_kv_policy_reaches_resolved_server_args(sglang_loaded, model_dir, profil
     assert (sa.attention_backend, sa.radix_cache_backend, sa.page_size) == ("tangram", "tangram", 16)
     assert os.environ["TANGRAM_KV_POLICY"] == "tangram"
     assert os.environ["TANGRAM_PROFILE"] == str(profile_path.resolve())
-    assert os.environ["TANGRAM_EXTEND_KERNEL"] == "triton"
-    _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
-           str(profile_path), "--tangram-extend-kernel", "flashinfer")
     assert os.environ["TANGRAM_EXTEND_KERNEL"] == "flashinfer"
+    _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
+           str(profile_path), "--tangram-extend-kernel", "triton")
+    assert os.environ["TANGRAM_EXTEND_KERNEL"] == "triton"
 
 
 def test_default_policy_leaves_sglang_untouched(sglang_loaded, model_dir):
@@ -192,6 +192,10 @@ def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_
                 "--tangram-profile", str(profile_path))
     assert sa.cuda_graph_config.decode.backend == "full" and sa.cuda_graph_config.prefill.backend == "disabled"
     assert sa.disable_overlap_schedule
+    with pytest.raises(ValueError, match="--tangram-extend-kernel triton"):  # the FlashInfer default needs CUDA
+        ATTENTION_BACKENDS["tangram"](runner(sa))
+    sa = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram",
+                "--tangram-profile", str(profile_path), "--tangram-extend-kernel", "triton")
     backend = ATTENTION_BACKENDS["tangram"](runner(sa))
     assert isinstance(backend, TangramAttnBackend) and backend.manager is kv
     overlapped = SimpleNamespace(**{**vars(sa), "disable_overlap_schedule": False})

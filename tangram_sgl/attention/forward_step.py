@@ -90,7 +90,8 @@ class AttentionContext:
         fi = None
         if extend_kernel == "flashinfer":
             if torch.device(dev).type != "cuda":
-                raise ValueError("extend_kernel='flashinfer' needs the pool on a CUDA device")
+                raise ValueError("extend_kernel='flashinfer' (--tangram-extend-kernel's default) needs the pool on "
+                                 "a CUDA device; elsewhere choose the Triton kernel (--tangram-extend-kernel triton)")
             fi = FlashInferExtend(dev)
         elif extend_kernel not in (None, ks.name):
             raise ValueError(f"unknown extend kernel {extend_kernel!r}; choose 'flashinfer' or the kernel set "
