@@ -6,8 +6,9 @@ Multi-turn retrieval conversations run on SmolLM2-135M-Instruct (CPU), greedy de
   carried across turns (cropped to the common prefix of the resent history, as a prefix cache would).
 - ``uniform``: the CPU reference engine (:class:`ReferenceEngine`: tangram's pool, radix tree, scorer and
   selection) with ``uniform_profile(config, b)``: every head keeps the same budget ``b``.
-- ``tangram``: the same engine with the shipped non-uniform profile for target ``b``
-  (``tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r{b}.json``; only 0.5 and 0.25 ship).
+- ``tangram``: the same engine with the shipped non-uniform profile for target ``b`` and ``--scorer``
+  (``tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r{b}.json``, or ``.snapkv-p31.`` for
+  ``snapkv:pool_kernel=31``; only 0.5 and 0.25 ship). Uniform runs use the same scorer.
 
 Each method produces its own answers, and later turns resend that method's history. Score of a turn = the
 expected answer is contained in the answer (case-insensitive); per (task, budget, method): hits / turns
@@ -56,7 +57,9 @@ from results_io import RESULTS, summary_row, write_result
 SEED = 1000  # calibration used seed 0 (profiler notes.calibration.seed); every task seed here is >= SEED
 TASKS = ("needle", "kv", "ruler_niah")
 METHODS = ("full", "uniform", "tangram")
-SHIPPED_PROFILE = "smollm2-135m-instruct.snapkv.r{budget}.json"
+# the shipped SmolLM2 profiles per scorer spec (tangram-sgl profile --model smollm2 --scorer SPEC)
+SHIPPED_PROFILES = {"snapkv": "smollm2-135m-instruct.snapkv.r{budget}.json",
+                    "snapkv:pool_kernel=31": "smollm2-135m-instruct.snapkv-p31.r{budget}.json"}
 TARGET_FULL_GAP = 5.0  # points: tangram within 5 points of full KV at budget 0.5
 
 
@@ -353,10 +356,9 @@ def method_specs(methods: Sequence[str], budgets: Sequence[float]) -> list[Metho
     return specs
 
 
-def shipped_profile_path(budget: float) -> Path:
-    path = Path(
-        str(resources.files("tangram_sgl").joinpath("profiles", SHIPPED_PROFILE.format(budget=f"{budget:g}")))
-    )
+def shipped_profile_path(budget: float, scorer: str) -> Path:
+    name = SHIPPED_PROFILES[scorer].format(budget=f"{budget:g}")
+    path = Path(str(resources.files("tangram_sgl").joinpath("profiles", name)))
     if not path.is_file():
         raise SystemExit(
             f"no shipped tangram profile for budget {budget:g} ({path.name}); "
@@ -366,7 +368,7 @@ def shipped_profile_path(budget: float) -> Path:
 
 
 def build_runner(
-    spec: MethodSpec, model: Any, dense_model: Any, tok: Any, kv_tokens: int
+    spec: MethodSpec, model: Any, dense_model: Any, tok: Any, kv_tokens: int, scorer: str
 ) -> tuple[ChatRunner, dict]:
     from tangram_sgl.profile import load_profile
     from tangram_sgl.profile_builder import uniform_profile
@@ -376,11 +378,11 @@ def build_runner(
         return DenseRunner(dense_model, tok), {"engine": "transformers dense (eager attention, DynamicCache)"}
     if spec.method == "uniform":
         profile, name = (
-            uniform_profile(model.config, spec.budget),
-            f"uniform_profile(config, {spec.budget:g})",
+            uniform_profile(model.config, spec.budget, scorer=scorer),
+            f"uniform_profile(config, {spec.budget:g}, scorer={scorer!r})",
         )
     else:
-        path = shipped_profile_path(spec.budget)
+        path = shipped_profile_path(spec.budget, scorer)
         # the profile of the installed package (outside this checkout when tangram_sgl is installed elsewhere)
         name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
         profile = load_profile(path, model.config)
@@ -428,8 +430,9 @@ def paired(records: list[dict], a: str, b: str) -> dict | None:
     return {"turns": len(common), f"only_{a}": only_a, f"only_{b}": only_b, "mcnemar_exact_p": float(p)}
 
 
-def targets(scores: dict, budgets: Sequence[float]) -> list[dict]:
-    """Summary rows: one per (budget, method), tangram rows carrying the issue's targets."""
+def targets(scores: dict, budgets: Sequence[float], scorer: str = "snapkv") -> list[dict]:
+    """Summary rows: one per (budget, method), tangram rows carrying the issue's targets; compressed
+    methods' labels name a scorer other than plain ``snapkv``."""
 
     def pct(label: str) -> float | None:
         s = scores.get(label, {}).get("all", {}).get("score")
@@ -438,8 +441,9 @@ def targets(scores: dict, budgets: Sequence[float]) -> list[dict]:
     def row(label: str, target: str = "", met: bool | None = None) -> dict:
         a = scores[label]["all"]
         kept = f", KV kept {a['kv_kept_fraction']:.3f}" if a["kv_kept_fraction"] is not None else ""
+        by = f" [{scorer}]" if scorer != "snapkv" and label != "full" else ""
         return summary_row(
-            f"retrieval accuracy {label} (n={a['n']}{kept})", round(pct(label), 1), "% turns", target, met
+            f"retrieval accuracy {label}{by} (n={a['n']}{kept})", round(pct(label), 1), "% turns", target, met
         )
 
     rows = [row("full")] if "full" in scores else []
@@ -526,6 +530,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--seed", type=int, default=SEED, help=f"task seed (>= {SEED}: disjoint from calibration seed 0)"
     )
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as the replay)")
+    ap.add_argument("--scorer", choices=sorted(SHIPPED_PROFILES), default="snapkv",
+                    help="scorer of the uniform and tangram runs (tangram: the shipped profile measured with it)")
     ap.add_argument(
         "--quick",
         action="store_true",
@@ -568,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     with tqdm(total=total, desc="turns", unit="turn") as bar:
         for spec in specs:
             bar.set_postfix_str(spec.label)
-            runner, configs[spec.label] = build_runner(spec, model, dense_model, tok, args.kv_tokens)
+            runner, configs[spec.label] = build_runner(spec, model, dense_model, tok, args.kv_tokens, args.scorer)
             t = time.perf_counter()
             records += run_method(runner, spec, conversations, args.max_tokens, bar)
             timing[spec.label] = round(time.perf_counter() - t, 1)
@@ -589,6 +595,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "model": f"SmolLM2-135M-Instruct ({model_dir.name}, float32, CPU)",
         "quick": args.quick,
         "seed": args.seed,
+        "scorer": args.scorer,
         "calibration_seed": 0,
         "samples_per_task": args.samples,
         "tasks": args.tasks,
@@ -619,13 +626,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "turns": records,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_result(args.out.stem, data, targets(scores, args.budgets), directory=args.out.parent)
+    write_result(args.out.stem, data, targets(scores, args.budgets, args.scorer), directory=args.out.parent)
     plot(
         scores,
         args.budgets,
         args.tasks,
         args.out.with_suffix(".png"),
-        f"SmolLM2-135M, {args.samples} conversations/task, seed {args.seed}: accuracy vs mean head budget",
+        f"SmolLM2-135M, {args.samples} conversations/task, seed {args.seed}, {args.scorer}: accuracy vs mean budget",
     )
     for label, s in scores.items():
         a = s["all"]

@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", type=Path, required=True, help="results JSON of eval/accuracy.py")
     p.add_argument("--servers", nargs="+", required=True, help="stock:<attention backend> | tangram:<profile>")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--name", default="accuracy_server", help="result name (<out>/<name>.json)")
     p.add_argument("--port", type=int, default=30400)
     p.add_argument("server_extra", nargs="*", help="after --: more launch_server arguments")
     a = p.parse_args(argv)
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                     summary_row(f"{label}: CPU reference {method} on the same turns", round(100 * cpu_hits / n, 1),
                                 "%"),
                     summary_row(f"{label}: answers identical to the CPU reference", round(100 * same / n, 1), "%")]
-    path = write_result("accuracy_server", {"cpu_results": a.cpu.name, "runs": runs}, summary, directory=a.out)
+    path = write_result(a.name, {"cpu_results": a.cpu.name, "runs": runs}, summary, directory=a.out)
     print(json.dumps(summary, indent=1))
     print("wrote", path)
     return 0

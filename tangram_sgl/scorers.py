@@ -9,7 +9,9 @@ Scores of different heads are compared with each other by the profiler's thresho
 ``docs/arch/profiler.md``), so every scorer puts all heads on one scale:
 
 - ``snapkv``: attention probability mass from the observation window (the segment's last w queries),
-  averaged over window queries and the query group, max-pooled along positions (kernel 7).
+  averaged over window queries and the query group, max-pooled along positions (``pool_kernel``, default 7
+  as in SnapKV; ``snapkv:pool_kernel=31`` keeps wider spans around each peak, which keeps whole numbers
+  that a tokenizer splits into one token per digit).
 - ``expected_attention``: the attention a *future* query is expected to pay (kvpress' ExpectedAttention):
   window queries (pre-RoPE) are modelled as a Gaussian N(mu, Sigma); RoPE is averaged over the next
   ``n_future`` positions (R_bar); E[exp(s*q.k)] = exp(s*k.R_bar mu + s^2/2 * k^T R_bar Sigma R_bar^T k),
@@ -21,6 +23,7 @@ Scores of different heads are compared with each other by the profiler's thresho
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -141,8 +144,24 @@ SCORERS: dict[str, type] = {
 }
 
 
-def make_scorer(name: str) -> Scorer:
-    """The scorer called ``name`` with its default parameters."""
+def make_scorer(spec: str) -> Scorer:
+    """The scorer a spec names: ``name`` (its default parameters) or ``name:param=value,...`` with integer or
+    float values, e.g. ``snapkv:pool_kernel=31``. Profiles record the spec they were measured with."""
+    name, _, params = spec.partition(":")
     if name not in SCORERS:
         raise ValueError(f"unknown scorer {name!r}; choose from {sorted(SCORERS)}")
-    return SCORERS[name]()
+    kwargs: dict[str, int | float] = {}
+    fields = {f.name for f in dataclasses.fields(SCORERS[name])} - {"name", "default_scope"}
+    for item in filter(None, params.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in fields:
+            raise ValueError(f"scorer spec {spec!r}: expected {name}:param=value with param in {sorted(fields)}")
+        try:
+            kwargs[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+        except ValueError:
+            raise ValueError(f"scorer spec {spec!r}: {key} needs a number, got {value!r}") from None
+    scorer = SCORERS[name](**kwargs)
+    pool = getattr(scorer, "pool_kernel", 1)
+    if pool < 1 or pool % 2 == 0:
+        raise ValueError(f"scorer spec {spec!r}: pool_kernel must be a positive odd number")
+    return scorer

@@ -15,6 +15,7 @@ from tangram_sgl.profiler.cli import add_profile_args, run_profile
 from tangram_sgl.profiler.pipeline import ProfileSettings, collect_scores, profile_from_scores
 from tangram_sgl.profiler.retention import segment_kept, segment_scores
 from tangram_sgl.profiler.segments import TokenizedSample, tokenize_conversation
+from tangram_sgl.scorers import make_scorer
 
 LOCAL_KV_HEAD = 0
 
@@ -176,16 +177,22 @@ def test_cli_same_seed_same_file(tmp_path):
     parser = argparse.ArgumentParser()
     add_profile_args(parser)
 
-    def run(out: str, seed: int) -> bytes:
+    def run(out: str, seed: int, *more: str) -> bytes:
         args = parser.parse_args(["--model", str(model_dir), "--ratio", "0.5", "0.25", "--out", out,
                                   "--samples", "4", "--tokens", "60", "--window", "8", "--seed", str(seed),
-                                  "--device", "cpu"])
+                                  "--device", "cpu", *more])
         assert run_profile(args) == 0
         return (tmp_path / out.replace("{ratio}", "0.25")).read_bytes()
 
     first = run(str(tmp_path / "a-{ratio}.json"), 0)
     assert first == run(str(tmp_path / "b-{ratio}.json"), 0)
     assert first != run(str(tmp_path / "c-{ratio}.json"), 1)
+    # a scorer spec with parameters is recorded as given, and the runtime builds that scorer from the file
+    run(str(tmp_path / "p-{ratio}.json"), 0, "--scorer", "snapkv:pool_kernel=31")
+    wide = load_profile(tmp_path / "p-0.5.json", model_dir)
+    assert wide.runtime_scorer == "snapkv:pool_kernel=31" and make_scorer(wide.runtime_scorer).pool_kernel == 31
+    with pytest.raises(SystemExit):  # argparse: the spec's error, not a traceback
+        parser.parse_args(["--model", "m", "--ratio", "0.5", "--out", "x", "--scorer", "snapkv:pool=3"])
     for r in ("0.5", "0.25"):
         prof = load_profile(tmp_path / f"a-{r}.json", model_dir)
         assert prof.target_ratio == float(r) and not prof.synthetic

@@ -29,6 +29,25 @@ def test_unknown_scorer_is_rejected():
         make_scorer("h2o")
 
 
+def test_scorer_specs_set_parameters_and_reject_bad_ones():
+    assert make_scorer("snapkv").pool_kernel == 7 and make_scorer("snapkv:pool_kernel=31").pool_kernel == 31
+    assert make_scorer("expected_attention:n_future=64,epsilon=0.5").epsilon == 0.5
+    for bad, why in (("snapkv:pool=3", "param in"), ("snapkv:pool_kernel", "param in"),
+                     ("snapkv:pool_kernel=4", "positive odd"), ("snapkv:pool_kernel=x", "needs a number")):
+        with pytest.raises(ValueError, match=why):
+            make_scorer(bad)
+
+
+def test_a_wider_snapkv_pool_spreads_each_peak_further():
+    seg = _segment(n=64)
+    narrow, wide = make_scorer("snapkv").score(seg), make_scorer("snapkv:pool_kernel=31").score(seg)
+    assert (wide >= narrow).all() and (wide > narrow).any()
+    raw = make_scorer("snapkv:pool_kernel=1").score(seg)
+    peak = int(raw[0, :40].argmax())  # away from the window's own high scores
+    assert (wide[0, max(0, peak - 15):peak + 16] >= raw[0, peak]).all()
+    assert not (narrow[0, max(0, peak - 15):peak + 16] >= raw[0, peak]).all()
+
+
 def test_averaged_rope_over_one_position_is_that_rotation():
     d, pos = 16, 37
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))

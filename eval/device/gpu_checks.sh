@@ -19,6 +19,7 @@
 #   stephost  eval/bench_step_host.py: host metadata time per decode / extend step vs the GPU attention (no server);
 #           stephost_triton the same with --extend-kernel triton
 #   accuracy  eval/accuracy_server.py: SmolLM2 servers (stock triton, tangram r0.5) on the CPU accuracy run's conversations
+#           (accuracy_p31: the snapkv:pool_kernel=31 profile on its own CPU run's conversations)
 #   kernels  eval/bench_kernels.py: decode CTA-target study and Triton grid (no FlashInfer)
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 #           (the serving FlashInfer path included); writes its JSON after every case
@@ -116,6 +117,10 @@ stage_extend() { (cd /tmp && timeout 540 python3 "$R"/eval/bench_extend.py --out
 stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \
   --cpu "$R"/eval/results/accuracy_cpu_n16.json --servers stock:triton \
   tangram:"$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.5.json 2>&1 | tail -40; }
+# the same for the SnapKV pool-31 profile, on the conversations of its CPU run (seed 2000)
+stage_accuracy_p31() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \
+  --name accuracy_server_p31 --cpu "$R"/eval/results/accuracy_cpu_seed2000_p31.json --servers stock:triton \
+  tangram:"$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv-p31.r0.5.json 2>&1 | tail -40; }
 stage_stephost() {
   (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --out "$OUT" 2>&1 | tail -12)
 }

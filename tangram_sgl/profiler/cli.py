@@ -16,7 +16,7 @@ from tangram_sgl.profiler.pipeline import BUDGET_MODES, ProfileSettings, collect
 from tangram_sgl.profiler.plots import plot_profile
 from tangram_sgl.profiler.retention import SCOPES
 from tangram_sgl.profiler.segments import tokenize_conversation
-from tangram_sgl.scorers import SCORERS
+from tangram_sgl.scorers import SCORERS, make_scorer
 
 
 def _out_paths(out: str, ratios: list[float]) -> list[Path]:
@@ -50,10 +50,19 @@ def _write(profile: TangramProfile, path: Path, plot: bool) -> None:
 # ------------------------------------------------------------------------------------------- profile
 
 
+def _scorer_spec(spec: str) -> str:
+    try:
+        make_scorer(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
 def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="'smollm2', an HF model directory, or a .gguf file")
     _add_layout_args(p)
-    p.add_argument("--scorer", choices=sorted(SCORERS), default="snapkv")
+    p.add_argument("--scorer", type=_scorer_spec, default="snapkv",
+                   help=f"one of {sorted(SCORERS)}, optionally with parameters: snapkv:pool_kernel=31")
     p.add_argument("--scope", choices=SCOPES, default=None,
                    help="threshold scope for retention (default: the scorer's; snapkv: global)")
     p.add_argument("--budget-mode", choices=BUDGET_MODES, default="matched",
