@@ -18,8 +18,9 @@ from typing import Any
 from tangram_sgl.replay.conversation import Workload, load_conversations_json
 
 WORKLOADS = ("default", "sharegpt", "long")
-# The profile the README's default run uses (SmolLM2-135M-Instruct, SnapKV scorer, target ratio 0.25).
-DEFAULT_SMOLLM2_PROFILE = "smollm2-135m-instruct.snapkv.r0.25.json"
+# The profile the README's default run uses (SmolLM2-135M-Instruct, SnapKV with max-pool 31, target ratio 0.25:
+# the pool keeps whole multi-token numbers, eval/results/accuracy_cpu_seed2000_p31.json).
+DEFAULT_SMOLLM2_PROFILE = "smollm2-135m-instruct.snapkv-p31.r0.25.json"
 
 
 def add_replay_args(p: argparse.ArgumentParser) -> None:
