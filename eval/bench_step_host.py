@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     kv = TangramKVManager.from_profile(profile, num_pages, head_dim=a.head_dim, dtype=torch.bfloat16
                                        if dev.type == "cuda" else torch.float32, device=dev)
     kernel = a.extend_kernel or (DEFAULT_EXTEND_KERNEL if dev.type == "cuda" else "triton")
-    ctx = AttentionContext.create(kv, profile, extend_kernel=None if kernel == "triton" else kernel)
+    ctx = AttentionContext.create(kv, profile, extend_kernel=kernel)
     gen = torch.Generator(device=dev).manual_seed(0)
     rids = [f"s{i}" for i in range(a.requests)]
     prefill_ms = []

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from tangram_sgl.kernels.pieces import piece_positions
 
 
 def pseudo_token_indices(kv_indptr: np.ndarray, kv_indices: torch.Tensor, head_group: Sequence[int],
@@ -47,10 +48,10 @@ def pseudo_token_indices(kv_indptr: np.ndarray, kv_indices: torch.Tensor, head_g
     if total == 0:
         return indptr.astype(np.int32), torch.empty(0, dtype=torch.int32, device=dev)
     cols = np.tile(np.asarray(head_column, dtype=np.int64), batch)
-    meta = torch.from_numpy(np.stack([src, indptr[:-1], cols, lens])).to(dev, non_blocking=True)
-    row = torch.repeat_interleave(torch.arange(len(seg), device=dev), meta[3], output_size=total)
-    slot = kv_indices.long()[meta[0][row] + torch.arange(total, device=dev) - meta[1][row]]
-    pseudo = ((slot // page_size) * heads_per_group + meta[2][row]) * page_size + slot % page_size
+    shift, count, col = torch.from_numpy(np.stack([src - indptr[:-1], lens, cols])).to(dev, non_blocking=True)
+    slot = kv_indices.long()[piece_positions(shift, count, total)]  # shift: source - destination
+    column = torch.repeat_interleave(col, count, output_size=total)
+    pseudo = ((slot // page_size) * heads_per_group + column) * page_size + slot % page_size
     return indptr.astype(np.int32), pseudo.to(torch.int32)
 
 
@@ -119,7 +120,8 @@ class FlashInferExtendStep:
         self.page_size, self.heads_per_group = page_size, heads_per_group
         self.qo_indptr = torch.tensor(list(offsets), dtype=torch.int32)
         dev = kv_indices.device
-        fwd, inv, self.pseudo_qo = pseudo_request_order(offsets, num_kv_heads)
+        fwd, inv, pseudo_qo = pseudo_request_order(offsets, num_kv_heads)
+        self.pseudo_qo = torch.from_numpy(pseudo_qo)
         self.fwd, self.inv = (torch.from_numpy(x).to(dev, non_blocking=True) for x in (fwd, inv))
         self.has_prefix = bool(self.kv_indptr[-1] > 0)
         self._scale: float | None = None
@@ -148,7 +150,7 @@ class FlashInferExtendStep:
         prefix = self.fi.prefix[self._layers % 2]
         self._layers += 1
         last = torch.from_numpy((np.diff(indptr) > 0).astype(np.int32))  # page size 1: an empty row has 0
-        prefix.plan(torch.from_numpy(self.pseudo_qo), torch.from_numpy(indptr), pages, last,
+        prefix.plan(self.pseudo_qo, torch.from_numpy(indptr), pages, last,
                     gq, 1, d, 1, causal=False,
                     sm_scale=sm_scale, q_data_type=q.dtype, kv_data_type=k_buffer.dtype)
         q_rows = q.reshape(t * self.hkv, gq, d)[self.fwd]

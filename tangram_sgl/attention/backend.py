@@ -85,8 +85,7 @@ class TangramAttnBackend(AttentionBackend):
         self.token_to_kv_pool = cache  # SGLang reads the pools through the active backend
         self.req_to_token_pool = getattr(model_runner, "req_to_token_pool", None)
         self.manager = cache.manager
-        self.context = AttentionContext.create(self.manager, profile, kernels=kernels,
-                                               extend_kernel=None if extend_kernel == "triton" else extend_kernel)
+        self.context = AttentionContext.create(self.manager, profile, kernels=kernels, extend_kernel=extend_kernel)
         if self.context.flashinfer_extend is not None:
             logger.info("tangram: extend attention runs through FlashInfer (--tangram-extend-kernel flashinfer)")
         self.num_layers = self.manager.layout.num_layers

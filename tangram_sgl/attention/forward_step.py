@@ -75,8 +75,9 @@ class AttentionContext:
                obs_window: int | None = None, pre_rope: PreRope | None = None,
                extend_kernel: str | None = None) -> AttentionContext:
         """Context for ``kv`` (built from ``profile``); ``kernels``: ``"torch"``/``"triton"``/None (by device);
-        ``extend_kernel``: ``"flashinfer"`` runs extend attention through FlashInfer (CUDA only), None or the
-        kernel set's name keeps it in the kernel set."""
+        ``extend_kernel``: ``"flashinfer"`` runs extend attention through FlashInfer (CUDA only); None,
+        ``"triton"`` (the server flag's name for our kernels) or the kernel set's name keeps it in the kernel
+        set (Triton on CUDA, the torch references elsewhere)."""
         lay = kv.layout
         if (profile.model.num_layers, profile.model.num_kv_heads, profile.num_groups) != (
                 lay.num_layers, lay.num_kv_heads, lay.num_groups):
@@ -93,9 +94,9 @@ class AttentionContext:
                 raise ValueError("extend_kernel='flashinfer' (--tangram-extend-kernel's default) needs the pool on "
                                  "a CUDA device; elsewhere choose the Triton kernel (--tangram-extend-kernel triton)")
             fi = FlashInferExtend(dev)
-        elif extend_kernel not in (None, ks.name):
-            raise ValueError(f"unknown extend kernel {extend_kernel!r}; choose 'flashinfer' or the kernel set "
-                             f"{ks.name!r}")
+        elif extend_kernel not in (None, "triton", ks.name):
+            raise ValueError(f"unknown extend kernel {extend_kernel!r}; choose 'flashinfer', 'triton' or the "
+                             f"kernel set {ks.name!r}")
         return cls(kv, ks, scorer, profile.aot_split, lay.head_group_tensor(dev), lay.head_column_tensor(dev),
                    torch.tensor(order, dtype=torch.int32, device=dev), fi)
 

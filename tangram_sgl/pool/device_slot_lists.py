@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tangram_sgl.pool.segment import piece_positions
+from tangram_sgl.kernels.pieces import piece_positions
 
 
 class RangeAllocator:

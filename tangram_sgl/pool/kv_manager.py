@@ -21,11 +21,12 @@ import numpy as np
 import torch
 
 from tangram_sgl.budget import pages_for
+from tangram_sgl.kernels.pieces import piece_positions
 from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.pool.device_slot_lists import DeviceSlotLists
 from tangram_sgl.pool.group_page_pool import GroupPagePool
 from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, SegmentWrites, segment_kept_counts
-from tangram_sgl.pool.segment import GroupSlots, Segment, piece_positions
+from tangram_sgl.pool.segment import GroupSlots, Segment
 from tangram_sgl.pool.step_writes import CompressedWrites, FullSegmentWrites
 from tangram_sgl.profile import TangramProfile
 from tangram_sgl.radix.tree import SegmentNode, SegmentTree

@@ -55,13 +55,6 @@ class GroupSlots:
         return (pages[j // page_size] * page_size + j % page_size if len(j) else j).to(torch.int32)
 
 
-def piece_positions(shift: torch.Tensor, count: torch.Tensor, total: int) -> torch.Tensor:
-    """Positions ``i + shift[p]`` for every position ``i < total`` of consecutive pieces ``p`` of
-    ``count[p]`` entries (both on one device; ``total = count.sum()``, a host int: no device sync) — the
-    gather or scatter index that moves pieces between two layouts in one indexing operation."""
-    return torch.arange(total, device=shift.device) + torch.repeat_interleave(shift, count, output_size=total)
-
-
 @dataclass(frozen=True)
 class SlotTable:
     """A segment's slot lists of every group: ``slots[offsets[g] : offsets[g] + lengths[g]]`` is group g's."""
