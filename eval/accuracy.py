@@ -1,14 +1,16 @@
 """Answer accuracy at the same mean KV budget: full KV vs uniform budgets vs tangram (issue 5, CPU half).
 
-Multi-turn retrieval conversations run on SmolLM2-135M-Instruct (CPU), greedy decoding, one method at a time:
+Multi-turn retrieval conversations run on a small model (CPU, ``--model``: SmolLM2-135M-Instruct by default, or
+Qwen2.5-Coder-0.5B-Instruct), greedy decoding, one method at a time:
 
 - ``full``: dense full KV: transformers' own attention and ``DynamicCache`` (no tangram code), the cache
   carried across turns (cropped to the common prefix of the resent history, as a prefix cache would).
 - ``uniform``: the CPU reference engine (:class:`ReferenceEngine`: tangram's pool, radix tree, scorer and
   selection) with ``uniform_profile(config, b)``: every head keeps the same budget ``b``.
-- ``tangram``: the same engine with the shipped non-uniform profile for target ``b`` and ``--scorer``
+- ``tangram``: the same engine with the shipped non-uniform profile for the model, target ``b`` and ``--scorer``
   (``tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r{b}.json``, or ``.snapkv-p31.`` for
-  ``snapkv:pool_kernel=31``; only 0.5 and 0.25 ship). Uniform runs use the same scorer.
+  ``snapkv:pool_kernel=31``; Qwen: ``qwen2.5-coder-0.5b-instruct.snapkv-p31.r{b}.json``; only 0.5 and 0.25
+  ship). Uniform runs use the same scorer.
 
 Each method produces its own answers, and later turns resend that method's history. Score of a turn = the
 expected answer is contained in the answer (case-insensitive); per (task, budget, method): hits / turns
@@ -57,9 +59,11 @@ from results_io import RESULTS, summary_row, write_result
 SEED = 1000  # calibration used seed 0 (profiler notes.calibration.seed); every task seed here is >= SEED
 TASKS = ("needle", "kv", "ruler_niah")
 METHODS = ("full", "uniform", "tangram")
-# the shipped SmolLM2 profiles per scorer spec (tangram-sgl profile --model smollm2 --scorer SPEC)
-SHIPPED_PROFILES = {"snapkv": "smollm2-135m-instruct.snapkv.r{budget}.json",
-                    "snapkv:pool_kernel=31": "smollm2-135m-instruct.snapkv-p31.r{budget}.json"}
+# --model: display name and the shipped profiles' file stem (tangram-sgl profile --model NAME --scorer SPEC)
+MODELS = {"smollm2": ("SmolLM2-135M-Instruct", "smollm2-135m-instruct"),
+          "qwen2.5-coder-0.5b": ("Qwen2.5-Coder-0.5B-Instruct", "qwen2.5-coder-0.5b-instruct")}
+# scorer spec -> its slug in shipped profile names (<stem>.<slug>.r<budget>.json)
+SCORER_SLUGS = {"snapkv": "snapkv", "snapkv:pool_kernel=31": "snapkv-p31"}
 TARGET_FULL_GAP = 5.0  # points: tangram within 5 points of full KV at budget 0.5
 
 
@@ -356,19 +360,19 @@ def method_specs(methods: Sequence[str], budgets: Sequence[float]) -> list[Metho
     return specs
 
 
-def shipped_profile_path(budget: float, scorer: str) -> Path:
-    name = SHIPPED_PROFILES[scorer].format(budget=f"{budget:g}")
+def shipped_profile_path(model: str, budget: float, scorer: str) -> Path:
+    name = f"{MODELS[model][1]}.{SCORER_SLUGS[scorer]}.r{budget:g}.json"
     path = Path(str(resources.files("tangram_sgl").joinpath("profiles", name)))
     if not path.is_file():
         raise SystemExit(
-            f"no shipped tangram profile for budget {budget:g} ({path.name}); "
+            f"no shipped tangram profile {path.name} (model {model}, budget {budget:g}, scorer {scorer}); "
             f"tangram runs at 0.5 and 0.25 only (drop 'tangram' from --methods for other budgets)"
         )
     return path
 
 
 def build_runner(
-    spec: MethodSpec, model: Any, dense_model: Any, tok: Any, kv_tokens: int, scorer: str
+    spec: MethodSpec, model: Any, dense_model: Any, tok: Any, kv_tokens: int, scorer: str, model_name: str
 ) -> tuple[ChatRunner, dict]:
     from tangram_sgl.profile import load_profile
     from tangram_sgl.profile_builder import uniform_profile
@@ -382,7 +386,7 @@ def build_runner(
             f"uniform_profile(config, {spec.budget:g}, scorer={scorer!r})",
         )
     else:
-        path = shipped_profile_path(spec.budget, scorer)
+        path = shipped_profile_path(model_name, spec.budget, scorer)
         # the profile of the installed package (outside this checkout when tangram_sgl is installed elsewhere)
         name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
         profile = load_profile(path, model.config)
@@ -430,9 +434,9 @@ def paired(records: list[dict], a: str, b: str) -> dict | None:
     return {"turns": len(common), f"only_{a}": only_a, f"only_{b}": only_b, "mcnemar_exact_p": float(p)}
 
 
-def targets(scores: dict, budgets: Sequence[float], scorer: str = "snapkv") -> list[dict]:
+def targets(scores: dict, budgets: Sequence[float], scorer: str = "snapkv", model: str = "smollm2") -> list[dict]:
     """Summary rows: one per (budget, method), tangram rows carrying the issue's targets; compressed
-    methods' labels name a scorer other than plain ``snapkv``."""
+    methods' labels name a scorer other than plain ``snapkv``, and every label a model other than SmolLM2."""
 
     def pct(label: str) -> float | None:
         s = scores.get(label, {}).get("all", {}).get("score")
@@ -442,8 +446,9 @@ def targets(scores: dict, budgets: Sequence[float], scorer: str = "snapkv") -> l
         a = scores[label]["all"]
         kept = f", KV kept {a['kv_kept_fraction']:.3f}" if a["kv_kept_fraction"] is not None else ""
         by = f" [{scorer}]" if scorer != "snapkv" and label != "full" else ""
+        on = f" on {MODELS[model][0]}" if model != "smollm2" else ""
         return summary_row(
-            f"retrieval accuracy {label}{by} (n={a['n']}{kept})", round(pct(label), 1), "% turns", target, met
+            f"retrieval accuracy {label}{by}{on} (n={a['n']}{kept})", round(pct(label), 1), "% turns", target, met
         )
 
     rows = [row("full")] if "full" in scores else []
@@ -530,7 +535,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--seed", type=int, default=SEED, help=f"task seed (>= {SEED}: disjoint from calibration seed 0)"
     )
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as the replay)")
-    ap.add_argument("--scorer", choices=sorted(SHIPPED_PROFILES), default="snapkv",
+    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="model (default smollm2)")
+    ap.add_argument("--scorer", choices=sorted(SCORER_SLUGS), default="snapkv",
                     help="scorer of the uniform and tangram runs (tangram: the shipped profile measured with it)")
     ap.add_argument(
         "--quick",
@@ -558,12 +564,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict:
     from tqdm import tqdm
 
-    from tangram_sgl.models import load_model_dir, load_smollm2
+    from tangram_sgl.models import load_model_dir, resolve_model_dir
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model, tok, model_dir = load_smollm2()
+    model_dir = resolve_model_dir(args.model)
+    model, tok = load_model_dir(model_dir)
     dense_model = load_model_dir(model_dir)[0] if "full" in args.methods else None  # keeps its own attention
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     count_tokens = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
@@ -574,7 +581,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     with tqdm(total=total, desc="turns", unit="turn") as bar:
         for spec in specs:
             bar.set_postfix_str(spec.label)
-            runner, configs[spec.label] = build_runner(spec, model, dense_model, tok, args.kv_tokens, args.scorer)
+            runner, configs[spec.label] = build_runner(spec, model, dense_model, tok, args.kv_tokens, args.scorer,
+                                                        args.model)
             t = time.perf_counter()
             records += run_method(runner, spec, conversations, args.max_tokens, bar)
             timing[spec.label] = round(time.perf_counter() - t, 1)
@@ -592,7 +600,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             pairs = [(r["answer"], mine.get((r["task"], r["conversation"], r["turn"]))) for r in full]
             same[s.label] = sum(a == b for a, b in pairs) / len(pairs)
     data = {
-        "model": f"SmolLM2-135M-Instruct ({model_dir.name}, float32, CPU)",
+        "model": f"{MODELS[args.model][0]} ({model_dir.name}, float32, CPU)",
+        "model_name": args.model,
         "quick": args.quick,
         "seed": args.seed,
         "scorer": args.scorer,
@@ -626,13 +635,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "turns": records,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_result(args.out.stem, data, targets(scores, args.budgets, args.scorer), directory=args.out.parent)
+    write_result(args.out.stem, data, targets(scores, args.budgets, args.scorer, args.model), directory=args.out.parent)
     plot(
         scores,
         args.budgets,
         args.tasks,
         args.out.with_suffix(".png"),
-        f"SmolLM2-135M, {args.samples} conversations/task, seed {args.seed}, {args.scorer}: accuracy vs mean budget",
+        f"{MODELS[args.model][0]}, {args.samples} conversations/task, seed {args.seed}, {args.scorer}: accuracy vs mean budget",
     )
     for label, s in scores.items():
         a = s["all"]

@@ -11,6 +11,11 @@ not expected everywhere (the greedy floor between two stock bf16 backends is in
 
     python eval/accuracy_server.py --model-path SMOL_DIR --cpu eval/results/accuracy_cpu_n16.json \
         --servers stock:triton tangram:P05.json --out DIR
+
+``--replays DIR`` compares the replay files an earlier run wrote to DIR instead of starting servers (the GPU
+run made while its CPU run was still going, compared once the CPU results exist; the conversations depend only
+on the CPU run's tasks, samples, seed and sizes). The earlier run's ``<name>.json`` in DIR names the machine
+and versions that measured them.
 """
 
 from __future__ import annotations
@@ -43,6 +48,19 @@ def cpu_label(profile: str | None) -> str:
     return "full" if profile is None else f"tangram@{load_profile(profile).target_ratio:g}"
 
 
+def replay_on_server(a: argparse.Namespace, label: str, profile: str | None, extra: list[str], conv_file: Path,
+                     max_tokens: int, out: Path) -> None:
+    """Start the server, replay the conversations greedily into ``out``, stop it."""
+    server = ServerProcess(server_args(a.model_path, profile=profile, extra=extra + list(a.server_extra)),
+                           a.out / f"server_accuracy_{label}.log", a.port)
+    with server:
+        server.wait_ready()
+        subprocess.run([sys.executable, "-m", "tangram_sgl.cli", "replay", "--endpoint", server.url + "/v1",
+                        "--model", server.served_model(), "--conversations", str(conv_file), "--output",
+                        str(out), "--max-tokens", str(max_tokens), "--temperature", "0", "--no-progress"],
+                       check=False, timeout=900, cwd=a.out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", required=True, help="the HF directory of the model the CPU run used")
@@ -51,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--name", default="accuracy_server", help="result name (<out>/<name>.json)")
     p.add_argument("--port", type=int, default=30400)
+    p.add_argument("--replays", type=Path, help="compare the replay_accuracy_<label>.json files in this folder "
+                   "(no servers started)")
     p.add_argument("server_extra", nargs="*", help="after --: more launch_server arguments")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -59,21 +79,23 @@ def main(argv: list[str] | None = None) -> int:
     cpu = json.loads(a.cpu.read_text())["data"]
     convs = rebuild_conversations(cpu, AutoTokenizer.from_pretrained(a.model_path))
     conv_file = a.out / "accuracy_conversations.json"
-    conv_file.write_text(json.dumps({"conversations": [conversation_to_dict(c) for c in convs]}))
+    if not a.replays:
+        conv_file.write_text(json.dumps({"conversations": [conversation_to_dict(c) for c in convs]}))
     cpu_turns = {(r["method"] if r["method"] == "full" else f"{r['method']}@{r['budget']:g}",
                   r["conversation"], r["turn"]): r for r in cpu["turns"]}
-    runs, summary = [], []
+    runs, summary, measured_on = [], [], None
+    if a.replays:
+        earlier = a.replays / f"{a.name}.json"
+        if not earlier.exists():
+            raise SystemExit(f"{earlier}: the run that wrote the replays is not there (its machine and versions)")
+        measured_on = {k: json.loads(earlier.read_text())[k] for k in ("versions", "device")}
     for spec in a.servers:
         label, profile, extra = parse_server_spec(spec)
-        server = ServerProcess(server_args(a.model_path, profile=profile, extra=extra + list(a.server_extra)),
-                               a.out / f"server_accuracy_{label}.log", a.port)
-        out = a.out / f"replay_accuracy_{label}.json"
-        with server:
-            server.wait_ready()
-            subprocess.run([sys.executable, "-m", "tangram_sgl.cli", "replay", "--endpoint", server.url + "/v1",
-                            "--model", server.served_model(), "--conversations", str(conv_file), "--output",
-                            str(out), "--max-tokens", str(cpu["max_new_tokens"]), "--temperature", "0",
-                            "--no-progress"], check=False, timeout=900, cwd=a.out)
+        out = (a.replays or a.out) / f"replay_accuracy_{label}.json"
+        if not a.replays:
+            replay_on_server(a, label, profile, extra, conv_file, cpu["max_new_tokens"], out)
+        elif not out.exists():
+            raise SystemExit(f"{out}: no replay of server {spec} there")
         turns = json.loads(out.read_text())["turns"] if out.exists() else []
         method = cpu_label(profile)
         pairs = [(t, cpu_turns.get((method, t["session"], t["turn"]))) for t in turns if t["error"] is None]
@@ -82,13 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         cpu_hits = sum(c["correct"] for _, c in pairs)
         same = sum(t["answer"].strip() == c["answer"].strip() for t, c in pairs)
         n = max(len(pairs), 1)
+        replayed = {k: json.loads(out.read_text())[k] for k in ("date", "command")} if out.exists() else None
         runs.append({"server": spec, "cpu_method": method, "turns": len(turns), "compared": len(pairs),
-                     "hits": hits, "cpu_hits": cpu_hits, "identical_answers": same})
+                     "hits": hits, "cpu_hits": cpu_hits, "identical_answers": same, "replay": replayed})
         summary += [summary_row(f"{label}: answers containing the expected text", round(100 * hits / n, 1), "%"),
                     summary_row(f"{label}: CPU reference {method} on the same turns", round(100 * cpu_hits / n, 1),
                                 "%"),
                     summary_row(f"{label}: answers identical to the CPU reference", round(100 * same / n, 1), "%")]
-    path = write_result(a.name, {"cpu_results": a.cpu.name, "runs": runs}, summary, directory=a.out)
+    path = write_result(a.name, {"cpu_results": a.cpu.name, "runs": runs}, summary, directory=a.out,
+                        measured_on=measured_on)
     print(json.dumps(summary, indent=1))
     print("wrote", path)
     return 0

@@ -1,10 +1,12 @@
 """Multi-turn serving throughput: stock SGLang vs tangram_sgl on the same model and load (issue 5, GPU).
 
-For every (server, context class) pair: start the server, replay long shared-context sessions (a document
-of the class's length + question turns, ``tangram-sgl replay --workload long``) at a fixed concurrency with
-the history resent every turn, then read what the server holds. Reported per run: requests/s, output
-tokens/s, TTFT/TPOT percentiles, cache-hit ratio, errors, the server's ``max_total_num_tokens`` and GPU
-memory, and the sessions its KV memory holds at once (plot: throughput and TTFT per server, ``<name>.png``):
+For every server: start it once, then for every (context class, concurrency) replay long shared-context
+sessions (a document of the class's length + question turns, ``tangram-sgl replay --workload long``) with the
+history resent every turn, each replay from an empty prefix cache, then read what the server holds. Reported
+per run: requests/s, output tokens/s, TTFT/TPOT percentiles, cache-hit ratio, errors, the server's
+``max_total_num_tokens`` and GPU memory, and the sessions its KV memory holds at once (plot: throughput and
+TTFT per server, ``<name>.png``; a context measured at several concurrencies also gets TTFT and throughput vs
+load, ``<name>_load.png``):
 
 - stock: ``max_total_num_tokens / tokens per session`` (full KV);
 - tangram: the same, divided by the kept fraction the ``sglang:tangram_kv_kept_bytes / kv_full_bytes``
@@ -18,7 +20,7 @@ Each server start costs minutes, so on a device with a 10-minute command limit r
 and merge the result files afterwards (``--merge``: same workload required; the summary is recomputed).
 
     python eval/bench_serving.py --model-path DIR --out DIR --servers stock:flashinfer tangram:P025.json \
-        --contexts short=4096 mid=16384 long=49152 --sessions 32 --concurrency 32 -- --load-format dummy
+        --contexts short=4096@8,32,128 mid=16384@64 long=49152 --concurrency 24 -- --load-format dummy
     python eval/bench_serving.py --merge A.json B.json --name bench_serving_long --out eval/results
 """
 
@@ -72,10 +74,15 @@ def gpu_memory_used_mib() -> int | None:
     return int(out.split()[0])
 
 
-def replay(url: str, model: str, tokenizer: str, doc_tokens: int, a: argparse.Namespace, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "tangram_sgl.cli", "replay", "--workload", "long", "--doc-tokens", str(doc_tokens),
-           "--num-sessions", str(a.sessions), "--num-questions", str(a.questions), "--endpoint", url + "/v1",
-           "--model", model, "--tokenizer", tokenizer, "--max-concurrency", str(a.concurrency),
+def replay(url: str, model: str, tokenizer: str, run: dict, a: argparse.Namespace, out: Path,
+           questions: int | None = None) -> dict:
+    """``tangram-sgl replay`` of ``run``'s context and concurrency (sessions: the run's, ``--sessions``, else as
+    many as the concurrency; ``questions``: else ``--questions``) against ``url``; its result document."""
+    cmd = [sys.executable, "-m", "tangram_sgl.cli", "replay", "--workload", "long", "--doc-tokens",
+           str(run["doc_tokens"]), "--num-sessions",
+           str(run.get("sessions") or a.sessions or run["concurrency"]), "--num-questions",
+           str(questions or a.questions), "--endpoint", url + "/v1", "--model", model, "--tokenizer", tokenizer,
+           "--max-concurrency", str(run["concurrency"]),
            "--session-rate", "inf", "--max-tokens", str(a.max_tokens), "--output", str(out), "--no-progress",
            "--doc-text", a.doc_text]
     if a.ignore_eos:
@@ -86,37 +93,82 @@ def replay(url: str, model: str, tokenizer: str, doc_tokens: int, a: argparse.Na
     return json.loads(out.read_text())
 
 
-def run_one(spec: str, ctx_name: str, doc_tokens: int, a: argparse.Namespace) -> dict:
+def load_plan(a: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """(context name, document tokens, concurrency) of every replay one server start runs, in order: each
+    ``--contexts`` entry ``name=tokens[@c1,c2,..]`` at its own concurrencies, else at ``--concurrency``."""
+    plan = []
+    for c in a.contexts:
+        spec, _, loads = c.partition("@")
+        name, _, tokens = spec.partition("=")
+        plan += [(name, int(tokens), n) for n in ([int(x) for x in loads.split(",")] if loads else a.concurrency)]
+    return plan
+
+
+def flush_cache(url: str, timeout_s: float = 90.0) -> None:
+    """Empty the server's prefix cache; SGLang refuses while requests (a cut window's last turns) still run."""
+    deadline = time.time() + timeout_s
+    while requests.post(url + "/flush_cache", timeout=60).status_code != 200:
+        if time.time() > deadline:
+            raise TimeoutError(f"/flush_cache refused for {timeout_s:.0f} s")
+        time.sleep(2)
+
+
+def run_server(spec: str, plan: list[tuple[str, int, int]], a: argparse.Namespace) -> list[dict]:
+    """One server start for ``spec``, an unmeasured warm-up replay (first-request compilation and allocation out
+    of the measured windows), then one replay per (context, concurrency) of ``plan``, each from an empty prefix
+    cache; one run dict per replay (its share of the server log parsed for prefill and decode lines)."""
     label, profile, extra = parse_server_spec(spec)
     args = server_args(a.model_path, profile=profile, extra=extra + list(a.server_extra),
                        chat_template=str(TEMPLATES / "plain-chat.jinja"))
-    server = ServerProcess(args, a.out / f"server_bench_{label}_{ctx_name}.log", a.port)
-    run: dict = {"server": spec, "label": label, "context": ctx_name, "doc_tokens": doc_tokens,
-                 "target_ratio": load_profile(profile).target_ratio if profile else None}
+    server = ServerProcess(args, a.out / f"server_bench_{label}.log", a.port)
+    target = load_profile(profile).target_ratio if profile else None
+    runs = [{"server": spec, "label": label, "context": ctx, "doc_tokens": n, "concurrency": c, "target_ratio": target}
+            for ctx, n, c in plan]
+    spans = []
     with server:
         try:
-            run["ready_s"] = server.wait_ready()
-            t0 = time.time()
-            doc = replay(server.url, server.served_model(), a.model_path, doc_tokens, a, a.out / f"replay_{label}_{ctx_name}.json")
-            run["replay_wall_s"] = time.time() - t0
-            run["summary"] = doc["summary"]
-            metrics = requests.get(server.url + "/metrics", timeout=30).text
-            run["gpu_memory_used_mib"] = gpu_memory_used_mib()
-            kept, full = gauge(metrics, "tangram_kv_kept_bytes"), gauge(metrics, "tangram_kv_full_bytes")
-            run["kept_fraction"] = kept / full if kept is not None and full else (None if profile else 1.0)
-            run["host_built_decode_steps"] = gauge(metrics, "tangram_host_built_decode_steps")
-        except Exception as e:  # noqa: BLE001 (recorded; the other runs still go)
-            run["error"] = f"{type(e).__name__}: {e}"
+            ready_s = server.wait_ready()
+        except Exception as e:  # noqa: BLE001 (recorded for every replay it prevented)
+            for run in runs:
+                run["error"] = f"{type(e).__name__}: {e}"
+            ready_s = None
+        if ready_s is not None and a.warmup:
+            warm = {"doc_tokens": 1024, "concurrency": 2, "sessions": 2}
+            try:
+                replay(server.url, server.served_model(), a.model_path, warm, a,
+                       a.out / f"replay_{label}_warmup.json", questions=1)
+            except Exception as e:  # noqa: BLE001 (the measured replays still run; each run says it)
+                for run in runs:
+                    run["warmup_error"] = f"{type(e).__name__}: {e}"
+        for run in runs if ready_s is not None else []:
+            run["ready_s"] = ready_s
+            since = len(server.log.read_text(errors="replace"))
+            try:
+                flush_cache(server.url)
+                t0 = time.time()
+                out = a.out / f"replay_{label}_{run['context']}_c{run['concurrency']}.json"
+                doc = replay(server.url, server.served_model(), a.model_path, run, a, out)
+                run["replay_wall_s"] = time.time() - t0
+                run["summary"] = doc["summary"]
+                metrics = requests.get(server.url + "/metrics", timeout=30).text
+                run["gpu_memory_used_mib"] = gpu_memory_used_mib()
+                kept, full = gauge(metrics, "tangram_kv_kept_bytes"), gauge(metrics, "tangram_kv_full_bytes")
+                run["kept_fraction"] = kept / full if kept is not None and full else (None if profile else 1.0)
+                run["host_built_decode_steps"] = gauge(metrics, "tangram_host_built_decode_steps")
+            except Exception as e:  # noqa: BLE001 (recorded; the other replays still go)
+                run["error"] = f"{type(e).__name__}: {e}"
+            spans.append((since, len(server.log.read_text(errors="replace"))))
     log = server.log.read_text(errors="replace")
     m = re.search(r"max_total_num_tokens=(\d+)", log)
-    run["max_total_num_tokens"] = int(m.group(1)) if m else None
-    run["decode_batches_logged"], run["decode_batches_in_graphs"] = decode_batches(log.splitlines())
-    run["prefill_chunk_tok_s"] = prefill_chunk_rates(log)
-    s = run.get("summary")
-    if s and run["max_total_num_tokens"] and run.get("kept_fraction"):
-        per_session = (s["prompt_tokens"] / max(s["turns_ok"], 1) + a.max_tokens)  # ~ the last turn's length
-        run["sessions_in_memory"] = run["max_total_num_tokens"] / (per_session * run["kept_fraction"])
-    return run
+    for run, (since, end) in zip(runs, spans):
+        run["max_total_num_tokens"] = int(m.group(1)) if m else None
+        run["decode_batches_logged"], run["decode_batches_in_graphs"] = decode_batches(log[since:end].splitlines())
+        run["prefill_chunk_tok_s"] = prefill_chunk_rates(log[:end], since)
+        s = run.get("summary")
+        if s and run["max_total_num_tokens"] and run.get("kept_fraction"):
+            per_session = (s["prompt_tokens"] / max(s["turns_ok"], 1) + a.max_tokens)  # ~ the last turn's length
+            run["sessions_in_memory"] = run["max_total_num_tokens"] / (per_session * run["kept_fraction"])
+    return runs
 
 
 WORKLOAD_ARGS = ("contexts", "sessions", "questions", "concurrency", "max_tokens", "ignore_eos", "doc_text",
@@ -156,11 +208,21 @@ def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
     for p, d in zip(paths, docs):
         for r in d["data"]["runs"]:  # a merged file's runs keep the file they were measured in
             run = {"measured_by": {"file": p.name, "command": d["command"], "date": d["date"]}, **r}
-            log = p.parent / f"server_bench_{r['label']}_{r['context']}.log"  # beside its file, as run_one writes it
+            if "concurrency" not in run:  # files from before runs named theirs held one concurrency
+                run["concurrency"] = int(d["data"]["args"]["concurrency"])
+            log = p.parent / f"server_bench_{r['label']}_{r['context']}.log"  # beside its file, as they were named
             if "prefill_chunk_tok_s" not in run and log.exists():
                 run["prefill_chunk_tok_s"] = prefill_chunk_rates(log.read_text(errors="replace"))
             runs.append(run)
     return runs, dict(first["data"]["args"]), {"versions": first["versions"], "device": first["device"]}
+
+
+def load_names(runs: list[dict]) -> dict[tuple[str, int], str]:
+    """Name of every (context, concurrency) in ``runs``: the context, plus ``x<concurrency>`` for contexts
+    measured at several loads."""
+    loads = list(dict.fromkeys((r["context"], r["concurrency"]) for r in runs))
+    swept = {ctx for ctx, _ in loads if sum(c == ctx for c, _ in loads) > 1}
+    return {(ctx, n): f"{ctx} x{n}" if ctx in swept else ctx for ctx, n in loads}
 
 
 def short_label(run: dict) -> str:
@@ -184,7 +246,9 @@ def plot(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     done = [r for r in runs if "summary" in r]
-    labels = [f"{short_label(r).replace(' (', chr(10) + '(')}\n{r['context']}" for r in done]  # kernel: own line
+    names = load_names(done)
+    labels = [f"{short_label(r).replace(' (', chr(10) + '(')}\n{names[r['context'], r['concurrency']]}"
+              for r in done]  # kernel: own line
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     a1.bar(labels, [r["summary"]["output_tokens_per_s"] for r in done], color="tab:blue")
     a1.set_ylabel("output tokens/s")
@@ -203,6 +267,40 @@ def plot(runs: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_load(runs: list[dict], path: Path) -> None:
+    """TTFT p50 / p90 and output tokens/s vs concurrent sessions, one line per server, a panel pair per swept
+    context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in runs if "summary" in r]
+    swept = [ctx for ctx in dict.fromkeys(r["context"] for r in done)
+             if len({r["concurrency"] for r in done if r["context"] == ctx}) > 1]
+    fig, axes = plt.subplots(len(swept), 2, figsize=(10, 3.6 * len(swept)), squeeze=False)
+    for (a1, a2), ctx in zip(axes, swept):
+        for i, server in enumerate(dict.fromkeys(r["server"] for r in done if r["context"] == ctx)):
+            mine = sorted((r for r in done if r["context"] == ctx and r["server"] == server),
+                          key=lambda r: r["concurrency"])
+            x = [r["concurrency"] for r in mine]
+            color, label = f"C{i}", short_label(mine[0])
+            ttft = [r["summary"].get("ttft_s") or {} for r in mine]  # None: no turn finished in the window
+            a1.plot(x, [t.get("p50", float("nan")) for t in ttft], "o-", color=color, label=f"{label} p50")
+            a1.plot(x, [t.get("p90", float("nan")) for t in ttft], "o--", color=color, label=f"{label} p90")
+            a2.plot(x, [r["summary"]["output_tokens_per_s"] for r in mine], "o-", color=color, label=label)
+        shown = [y for line in a1.get_lines() for y in line.get_ydata() if y > 0]  # NaN compares False
+        a1.set(xscale="log", yscale="log" if shown else "linear", xlabel="concurrent sessions", ylabel="TTFT (s)",
+               title=f"{ctx} ({mine[0]['doc_tokens']}-token documents): time to first token")
+        a2.set(xscale="log", xlabel="concurrent sessions", ylabel="output tokens/s", title=f"{ctx}: throughput")
+        for ax in (a1, a2):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path")
@@ -210,16 +308,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--servers", nargs="+", help="stock:<attention backend> | tangram:<profile>")
     p.add_argument("--merge", nargs="+", type=Path, help="result files of earlier runs to combine (no servers)")
     p.add_argument("--contexts", nargs="+", default=["short=4096", "mid=16384", "long=49152"],
-                   help="name=document tokens")
-    p.add_argument("--sessions", type=int, default=32)
+                   help="name=document tokens[@concurrency,..] (default concurrency: --concurrency)")
+    p.add_argument("--sessions", type=int, help="sessions per replay (default: as many as its concurrency)")
     p.add_argument("--questions", type=int, default=5)
-    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[32],
+                   help="concurrent sessions; several values: one replay each (a load sweep, TTFT vs load)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--doc-text", choices=("essays", "vocab"), default="essays",
                    help="document text (vocab: the tokenizer's own words, for dummy-weight models)")
     p.add_argument("--duration", type=float, help="seconds of load per replay (a fixed window; default: all turns)")
     p.add_argument("--replay-timeout", type=float, default=480)
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the unmeasured warm-up replay (2 sessions, 1k documents) after each server start")
     p.add_argument("--port", type=int, default=30200)
     p.add_argument("--name", default="bench_serving")
     p.add_argument("server_extra", nargs="*", help="after --: more launch_server arguments for every server")
@@ -229,20 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.merge:
         runs, run_args, measured_on = merged_runs(a.merge)
         run_args["merged_from"] = list(dict.fromkeys(r["measured_by"]["file"] for r in runs))
-        contexts = list(dict.fromkeys((r["context"], r["doc_tokens"]) for r in runs))
     elif a.servers and a.model_path:
         run_args = {k: str(v) for k, v in vars(a).items()}
-        contexts = [(c.split("=")[0], int(c.split("=")[1])) for c in a.contexts]
-        runs = [run_one(spec, name, n, a) for name, n in contexts for spec in a.servers]
+        runs = [run for spec in a.servers for run in run_server(spec, load_plan(a), a)]
     else:
         p.error("give --model-path and --servers, or --merge")
     summary = []
-    for name, _ in contexts:
-        base = next((r for r in runs if r["context"] == name and r["server"].startswith("stock") and "summary" in r),
-                    None)
-        for r in runs:
-            if r["context"] != name or "summary" not in r:
-                continue
+    for (ctx, conc), name in load_names(runs).items():
+        mine = [r for r in runs if (r["context"], r["concurrency"]) == (ctx, conc) and "summary" in r]
+        base = next((r for r in mine if r["server"].startswith("stock")), None)
+        for r in mine:
             tput = r["summary"]["output_tokens_per_s"]
             summary.append(summary_row(f"{r['label']} {name}: output tokens/s", round(tput, 1), "tok/s"))
             if r.get("prefill_chunk_tok_s"):
@@ -252,19 +349,21 @@ def main(argv: list[str] | None = None) -> int:
                     f"{max(rates):.0f}, {len(rates)} chunks)", round(statistics.median(rates)), "tok/s"))
             if base is not None and r is not base:
                 ratio = tput / base["summary"]["output_tokens_per_s"]
-                target = throughput_target(r.get("target_ratio"), name)
+                target = throughput_target(r.get("target_ratio"), ctx)
                 summary.append(summary_row(f"{r['label']} {name}: throughput vs {base['label']}", round(ratio, 2),
                                            "x", f">= {target}" if target else "report",
                                            ratio >= target if target else None))
                 if r.get("sessions_in_memory") and base.get("sessions_in_memory"):
                     ratio = r["sessions_in_memory"] / base["sessions_in_memory"]
-                    target = sessions_target(r.get("target_ratio"), name)
+                    target = sessions_target(r.get("target_ratio"), ctx)
                     summary.append(summary_row(
                         f"{r['label']} {name}: sessions the KV pool holds vs {base['label']} (pool tokens / measured "
                         f"kept fraction per session)", round(ratio, 2), "x", f">= {target}" if target else "report",
                         ratio >= target if target else None))
     path = write_result(a.name, {"runs": runs, "args": run_args}, summary, directory=a.out, measured_on=measured_on)
     plot(runs, path.with_suffix(".png"))
+    if any(len(n.split()) > 1 for n in load_names(runs).values()):
+        plot_load(runs, path.with_name(path.stem + "_load.png"))
     print(json.dumps(summary, indent=1))
     print("wrote", path)
     return 0

@@ -13,7 +13,9 @@ SGLang backend makes, then times, per step:
   96 are compressed (scored and selected for all rows at once); and the prefill chunks' per-layer segment
   writes.
 
-Writes ``<out>/<name>.json``. Runs on CPU too at toy sizes (``--device cpu``: torch kernels).
+Writes ``<out>/<name>.json``. Runs on CPU too at toy sizes (``--device cpu``: torch kernels);
+``--host-only`` times just the decode step's host metadata (no attention, CSR or extend), which is
+host-bound on any machine.
 
     python eval/bench_step_host.py --requests 16 --context 32768 --out eval/results
 """
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--questions", default="16,96", help="question lengths of the timed extend batches")
     p.add_argument("--extend-kernel", choices=EXTEND_KERNELS, help="extend attention, as --tangram-extend-kernel "
                    f"(default: {DEFAULT_EXTEND_KERNEL} on CUDA, as the server; the Triton/torch kernel set elsewhere)")
+    p.add_argument("--host-only", action="store_true", help="time the decode step's host metadata only")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="bench_step_host")
     a = p.parse_args(argv)
@@ -136,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [StepRow(rid, len(kv.requests[rid].token_ids), 1, True) for rid in rids]
         ms, step = timed(dev, lambda rows=rows: ctx.step(rows, [5] * len(rows)))
         host_ms.append(ms)
+        if a.host_only:
+            continue
         gpu_ms.append(timed(dev, lambda step=step: [step.attend(layer, q, kn, kn, scale)
                                                     for layer in range(lay.num_layers)])[0])
         ms, indices = timed(dev, lambda: csr_lists(kv, rids, dev))
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     # session and one of every session warm the kernels up (Triton specialises on argument values, e.g. 1),
     # the third (every session) is timed; the second's layer time is kept too (``first_full_batch_layers_ms``)
     extend = {}
-    for question in questions:
+    for question in questions if not a.host_only else []:
         layer_times = []
         for batch in (rids[:1], rids, rids):
             for rid in batch:
@@ -168,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
             "arena_used": kv.device_lists.used,
             "arena_capacity": kv.device_lists.capacity, "arena_fallback_steps": kv.arena_fallback_steps}
     tag = f"{a.requests} x {a.context // 1024}k, {Path(a.profile).stem}, {data['extend_kernel']} extend"
-    summary = [
-        summary_row(f"decode step host metadata (median, {tag})", round(med(host_ms[1:] or host_ms), 3), "ms"),
+    if a.host_only:
+        tag += f", {lay.num_groups} groups, host only on {a.device}"
+    summary = [summary_row(f"decode step host metadata (median, {tag})", round(med(host_ms[1:] or host_ms), 3), "ms")]
+    summary += [] if a.host_only else [
         summary_row(f"decode step attention, all layers (median, {tag})", round(med(gpu_ms[1:] or gpu_ms), 3), "ms"),
         summary_row(f"host CSR rebuild + copy the arena replaces (median, {tag})", round(med(csr_ms), 3), "ms"),
         *(row for n, e in extend.items() for row in (

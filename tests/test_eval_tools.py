@@ -46,7 +46,8 @@ def test_soak_log_figures():
 
 def _bench_file(path: Path, sessions: str, device: str = "NVIDIA H200", duration: str = "240",
                 cut: int = 0, wall_s: float = 240.0) -> Path:
-    args = {k: "x" for k in bench_serving.WORKLOAD_ARGS} | {"sessions": sessions, "duration": duration}
+    args = {k: "x" for k in bench_serving.WORKLOAD_ARGS} | {"sessions": sessions, "duration": duration,
+                                                           "concurrency": "24"}
     run = {"server": "stock:flashinfer", "label": "stock_flashinfer", "context": "long", "doc_tokens": 49152,
            "summary": {"output_tokens_per_s": 100.0, "ttft_s": None, "turns_cut": cut, "wall_s": wall_s}}
     path.write_text(json.dumps({"name": path.stem, "command": "c", "versions": {"sglang": "0.5.17"}, "device": device,
@@ -62,6 +63,73 @@ def test_bench_results_merge_only_with_the_same_workload_and_device(tmp_path):
         bench_serving.merged_runs([a, _bench_file(tmp_path / "c.json", "16")])
     with pytest.raises(ValueError, match="device differ"):
         bench_serving.merged_runs([a, _bench_file(tmp_path / "d.json", "24", device="NVIDIA H100")])
+
+
+def test_bench_load_sweep_is_summarised_and_plotted_per_concurrency(tmp_path):
+    """Several concurrencies of one context: each load compares with stock at the same load, and a TTFT-vs-load
+    plot is written; runs of files from before per-run concurrency take their file's."""
+    old = json.loads(_bench_file(tmp_path / "old.json", "24").read_text())
+    assert bench_serving.merged_runs([tmp_path / "old.json"])[0][0]["concurrency"] == 24
+    runs = []
+    for server, label, tput in (("stock:flashinfer", "stock_flashinfer", 10.0), ("tangram:p.json", "tangram_p", 30.0)):
+        for conc in (8, 32):
+            runs.append({"server": server, "label": label, "context": "short", "doc_tokens": 4096, "concurrency": conc,
+                         "target_ratio": None if server.startswith("stock") else 0.25,
+                         "summary": {"output_tokens_per_s": tput * conc, "turns_cut": 0, "wall_s": 60.0,
+                                     "ttft_s": {"p50": 0.1 * conc, "p90": 0.2 * conc}}})
+    old["data"] = {"runs": runs, "args": old["data"]["args"] | {"concurrency": "[8, 32]"}}
+    (tmp_path / "sweep.json").write_text(json.dumps(old))
+    bench_serving.main(["--merge", str(tmp_path / "sweep.json"), "--name", "m", "--out", str(tmp_path / "o")])
+    rows = {r["metric"]: r["value"] for r in json.loads((tmp_path / "o" / "m.json").read_text())["summary"]}
+    assert rows["tangram_p short x8: throughput vs stock_flashinfer"] == 3.0
+    assert rows["stock_flashinfer short x32: output tokens/s"] == 320.0
+    assert (tmp_path / "o" / "m_load.png").stat().st_size > 10_000
+
+
+def test_bench_server_warms_up_then_replays_every_load_from_a_flushed_cache(tmp_path, monkeypatch):
+    """One server start per spec: an unmeasured warm-up, then per (context, concurrency) a flush and a replay,
+    each run parsing only its own share of the server log."""
+    calls = []
+
+    class FakeServer:
+        url = "http://fake"
+
+        def __init__(self, args, log, port):
+            self.log = log
+            log.write_text("chunked_prefill_size=8192 max_total_num_tokens=100000\n")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def wait_ready(self):
+            return 1.5
+
+        def served_model(self):
+            return "m"
+
+    def fake_replay(url, model, tokenizer, run, a, out, questions=None):
+        calls.append(("replay", run["doc_tokens"], run["concurrency"], run.get("sessions"), questions))
+        with (a.out / "server_bench_stock_flashinfer.log").open("a") as log:
+            log.write("Decode batch, #running-req: 2, cuda graph: True\n" * run["concurrency"])
+        return {"summary": {"prompt_tokens": 1000, "turns_ok": 2, "output_tokens_per_s": 5.0,
+                            "ttft_s": {"p50": 0.1, "p90": 0.2}}}
+
+    monkeypatch.setattr(bench_serving, "ServerProcess", FakeServer)
+    monkeypatch.setattr(bench_serving, "replay", fake_replay)
+    monkeypatch.setattr(bench_serving, "flush_cache", lambda url: calls.append(("flush",)))
+    monkeypatch.setattr(bench_serving, "gpu_memory_used_mib", lambda: None)
+    monkeypatch.setattr(bench_serving.requests, "get", lambda url, timeout: type("R", (), {"text": ""}))
+    bench_serving.main(["--model-path", "m", "--servers", "stock:flashinfer", "--contexts", "short=4096@2,8",
+                        "mid=16384", "--concurrency", "3", "--out", str(tmp_path), "--name", "b"])
+    assert calls == [("replay", 1024, 2, 2, 1), ("flush",), ("replay", 4096, 2, None, None), ("flush",),
+                     ("replay", 4096, 8, None, None), ("flush",), ("replay", 16384, 3, None, None)]
+    runs = json.loads((tmp_path / "b.json").read_text())["data"]["runs"]
+    assert [(r["context"], r["concurrency"], r["decode_batches_logged"]) for r in runs] == [
+        ("short", 2, 2), ("short", 8, 8), ("mid", 3, 3)]
+    assert all(r["max_total_num_tokens"] == 100000 and "error" not in r for r in runs)
 
 
 def test_bench_results_merge_across_windows_only_when_the_window_cut_nothing(tmp_path):

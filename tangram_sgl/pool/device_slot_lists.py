@@ -21,6 +21,7 @@ import bisect
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tangram_sgl.kernels.pieces import piece_positions
@@ -72,14 +73,15 @@ class RangeAllocator:
 
 @dataclass
 class SlotMirror:
-    """One request's block of the arena: per group a region start, capacity and mirrored length; ``version``
-    and ``tokens``: the request's list version and token count when the mirror was last synced."""
+    """One request's block of the arena: per group a region start, capacity and mirrored length (int64
+    ``[G]`` arrays, so a decode step's bookkeeping is a few array operations per request); ``version`` and
+    ``tokens``: the request's list version and token count when the mirror was last synced."""
 
     block: int
     size: int
-    starts: list[int]
-    caps: list[int]
-    lens: list[int]
+    starts: np.ndarray
+    caps: np.ndarray
+    lens: np.ndarray
     version: int
     tokens: int
 
@@ -110,7 +112,7 @@ class DeviceSlotLists:
     def can_append(self, rid: Hashable) -> bool:
         """Whether every region of ``rid`` has room for one more entry."""
         m = self.mirrors[rid]
-        return all(n < c for n, c in zip(m.lens, m.caps))
+        return bool((m.lens < m.caps).all())
 
     def upload(self, rid: Hashable, lens: Sequence[int], slots: torch.Tensor, room: Sequence[int], version: int,
                tokens: int) -> bool:
@@ -119,50 +121,47 @@ class DeviceSlotLists:
         ``room[g]`` spare entries per group, in one scatter. False when the arena cannot hold them even after
         clearing every mirror."""
         self.drop(rid)
-        caps = [n + r for n, r in zip(lens, room)]
-        size = sum(caps)
+        lens = np.asarray(lens, dtype=np.int64)
+        caps = lens + np.asarray(room, dtype=np.int64)
+        size = int(caps.sum())
         block = self.ranges.alloc(size) if size else 0
         if block is None and self.ranges.free_total >= size:  # fragmented: rebuild every mirror on demand
             self.clear()
             block = self.ranges.alloc(size)
         if block is None:
             return False
-        starts = [block + sum(caps[:g]) for g in range(self.num_groups)]
+        starts = block + np.cumsum(caps) - caps
         self.arena[block: block + size].zero_()  # each list, then its room as zeros
-        total = sum(lens)
+        total = int(lens.sum())
         if total:  # entry j of group g goes from slots[src_g + j] to arena[starts[g] + j]
-            src = [sum(lens[:g]) for g in range(self.num_groups)]
+            src = np.cumsum(lens) - lens
             dev = self.arena.device
-            shift, count = torch.tensor([[a - b for a, b in zip(starts, src)], list(lens)]).to(dev, non_blocking=True)
+            shift, count = torch.from_numpy(np.stack([starts - src, lens])).to(dev, non_blocking=True)
             self.arena[piece_positions(shift, count, total)] = slots.to(dev, torch.int32)
-        self.mirrors[rid] = SlotMirror(block, size, starts, caps, list(lens), version, tokens)
+        self.mirrors[rid] = SlotMirror(block, size, starts, caps, lens, version, tokens)
         return True
 
     def append(self, rids: Sequence[Hashable], token_slots: torch.Tensor) -> None:
         """Append row r's slot ``token_slots[r, g]`` (device ``[R, G]``) to each group's list of ``rids[r]``
         (every region must have room: :meth:`can_append`)."""
-        pos = []
-        for rid in rids:
-            m = self.mirrors[rid]
-            pos += [s + n for s, n in zip(m.starts, m.lens)]
-            m.lens = [n + 1 for n in m.lens]
+        mirrors = [self.mirrors[rid] for rid in rids]
+        pos = np.concatenate([m.starts + m.lens for m in mirrors])
+        for m in mirrors:
+            m.lens = m.lens + 1
             m.tokens += 1
-        idx = torch.tensor(pos, dtype=torch.long).to(self.arena.device, non_blocking=True)
+        idx = torch.from_numpy(pos).to(self.arena.device, non_blocking=True)
         self.arena[idx] = token_slots.reshape(-1).to(torch.int32)
 
     def ranges_of(self, rids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
         """Host int32 ``(starts [R*G], lens [R*G])`` of the mirrored lists of ``rids``, row-major."""
-        starts, lens = [], []
-        for rid in rids:
-            m = self.mirrors[rid]
-            starts += m.starts
-            lens += m.lens
-        return torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+        mirrors = [self.mirrors[rid] for rid in rids]
+        return tuple(torch.from_numpy(np.concatenate([getattr(m, f) for m in mirrors]).astype(np.int32))
+                     for f in ("starts", "lens"))
 
     def read(self, rid: Hashable, g: int) -> torch.Tensor:
         """Host copy of ``rid``'s mirrored list of group ``g`` (for the invariant checker)."""
         m = self.mirrors[rid]
-        return self.arena[m.starts[g]: m.starts[g] + m.lens[g]].cpu()
+        return self.arena[int(m.starts[g]): int(m.starts[g] + m.lens[g])].cpu()
 
     def drop(self, rid: Hashable) -> None:
         """Forget ``rid``'s mirror and free its block (no-op when it has none)."""

@@ -56,6 +56,7 @@ class RequestKV:
     decode: Segment | None = None
     spare: list[list[int]] = field(default_factory=list)  # reserved decode pages per group, not yet used
     version: int = 0  # bumped whenever the slot lists change other than by appending decoded tokens
+    decode_page_row: np.ndarray | None = None  # int64 [G]: the decode segment's current page per group, x page size
 
     @property
     def prefix_len(self) -> int:
@@ -391,20 +392,24 @@ class TangramKVManager:
             self._ensure_free(len(short), f"decode step of {len(reqs)} request(s) {list(rids)[:4]!r}")
             for (req, g), p in zip(short, self.pool.allocator.alloc(len(short))):
                 req.spare[g].append(p)
-        ps, out = self.page_size, []
-        for req, token_id in zip(reqs, token_ids):
+        ps = self.page_size
+        out = np.empty((len(reqs), self.num_groups), dtype=np.int64)
+        for r, (req, token_id) in enumerate(zip(reqs, token_ids)):
             if req.decode is None:
                 req.decode = Segment(len(req.token_ids), [], True, [GroupSlots() for _ in range(self.num_groups)])
             n = req.decode.n  # every group keeps every decoded token: one length for all groups
-            page, off = divmod(n, ps)
-            for g, gs in enumerate(req.decode.groups):
-                if off == 0:
+            off = n % ps
+            if off == 0:  # a new page per group (a new decode segment starts here too, at n = 0)
+                for g, gs in enumerate(req.decode.groups):
                     gs.pages.append(req.spare[g].pop(0))
-                out.append(gs.pages[page] * ps + off)
+                req.decode_page_row = np.fromiter((gs.pages[-1] for gs in req.decode.groups), np.int64,
+                                                  self.num_groups) * ps
+            out[r] = req.decode_page_row + off
+            for gs in req.decode.groups:
                 gs.length = n + 1
             req.decode.token_ids.append(int(token_id))
             req.token_ids.append(int(token_id))
-        return torch.tensor(out, dtype=torch.long).view(len(reqs), self.num_groups)
+        return torch.from_numpy(out)
 
     def _decode_groups(self, req: RequestKV) -> list[GroupSlots]:
         return req.decode.groups if req.decode is not None else [GroupSlots()] * self.num_groups
