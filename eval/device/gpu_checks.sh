@@ -22,7 +22,7 @@
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
 #   soak_start, soak_finish   the same over two back-to-back calls (6.5 + 3.5 minutes of load on one server)
 #   stephost  eval/bench_step_host.py: host metadata time per decode / extend step vs the GPU attention (no server);
-#           stephost_triton the same with --extend-kernel triton
+#           stephost_triton the same with --extend-kernel triton; stephost128: 128 sessions x 4k (the short class)
 #   accuracy  eval/accuracy_server.py: SmolLM2 servers (stock triton, tangram r0.5) on the CPU accuracy run's conversations
 #           (accuracy_p31: the snapkv:pool_kernel=31 profile on its own CPU run's conversations)
 #   kernels  eval/bench_kernels.py: decode CTA-target study and Triton grid (no FlashInfer)
@@ -154,6 +154,10 @@ stage_accuracy_qwen() { timeout 580 python3 eval/accuracy_server.py --model-path
   tangram:"$R"/tangram_sgl/profiles/qwen2.5-coder-0.5b-instruct.snapkv-p31.r0.25.json 2>&1 | tail -40; }
 stage_stephost() {
   (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --out "$OUT" 2>&1 | tail -12)
+}
+stage_stephost128() {  # the short class's decode batch: 128 sessions of 4k tokens
+  (cd /tmp && timeout 300 python3 "$R"/eval/bench_step_host.py --requests 128 --context 4096 --chunk 4096 \
+     --name bench_step_host_r128 --out "$OUT" 2>&1 | tail -12)
 }
 stage_stephost_triton() {  # the same with our Triton extend kernel (the default is FlashInfer's)
   (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --extend-kernel triton \
