@@ -247,9 +247,9 @@ def plot(runs: list[dict], path: Path) -> None:
 
     done = [r for r in runs if "summary" in r]
     names = load_names(done)
-    labels = [f"{short_label(r).replace(' (', chr(10) + '(')}\n{names[r['context'], r['concurrency']]}"
-              for r in done]  # kernel: own line
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"{short_label(r).replace(' ', chr(10), 1).replace(' (', chr(10) + '(')}\n"
+              f"{names[r['context'], r['concurrency']]}" for r in done]  # server kind, budget, kernel: own lines
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(11.0, 1.5 * len(done)), 4.4))
     a1.bar(labels, [r["summary"]["output_tokens_per_s"] for r in done], color="tab:blue")
     a1.set_ylabel("output tokens/s")
     a1.set_title("throughput")
