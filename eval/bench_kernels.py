@@ -335,17 +335,26 @@ STUDY_POINTS = (ANCHOR, FULL_BUDGET_TUNE_POINT, (16, 32768, 0.25), (16, 32768, 1
                 (64, 32768, 0.25))
 
 
-def target_ctas_study(shape: Shape, dev: str, tune: tuple[int, int, int], gen: torch.Generator) -> list[dict]:
+def target_ctas_study(shape: Shape, dev: str, tune: tuple[int, int, int], gen: torch.Generator,
+                      targets: list[int]) -> list[dict]:
     """Triton decode at the study points with AOT tables built for other CTA targets (the table's one knob)."""
     rows = []
     for batch, context, budget in STUDY_POINTS:
-        for t in (DEFAULT_TARGET_CTAS // 4, DEFAULT_TARGET_CTAS // 2, DEFAULT_TARGET_CTAS, 2 * DEFAULT_TARGET_CTAS):
+        for t in targets:
             r = run_config(shape, synthetic_profile(shape, budget, t), batch, context, dev, tune, False, gen, False)
             rows.append({"batch": batch, "context": context, "mean_budget": budget, "target_ctas": t,
                          "splits": sorted(set(r["splits"])), "triton_ms": r["triton_ms"],
                          "roofline_frac": r["triton_roofline_frac"]})
             print(rows[-1], flush=True)
     return rows
+
+
+def best_target_ctas(study: list[dict]) -> int:
+    """The CTA target whose worst roofline share over the study points is highest."""
+    worst: dict[int, float] = {}
+    for row in study:
+        worst[row["target_ctas"]] = min(worst.get(row["target_ctas"], 1.0), row["roofline_frac"])
+    return max(worst, key=worst.__getitem__)
 
 
 def versions() -> dict:
@@ -404,6 +413,14 @@ def main() -> None:
                     help="skip tuning; use --triton-config (default: the best config of the first H200 tune)")
     ap.add_argument("--triton-config", default="128,4,2", help="block_n,num_warps,num_stages with --no-tune")
     ap.add_argument("--no-flashinfer", action="store_true", help="time the Triton kernel only")
+    ap.add_argument("--study-targets", default=f"{DEFAULT_TARGET_CTAS // 4},{DEFAULT_TARGET_CTAS // 2},"
+                    f"{DEFAULT_TARGET_CTAS},{2 * DEFAULT_TARGET_CTAS}",
+                    help="CTA targets of the AOT-table study at the study points ('' skips the study)")
+    ap.add_argument("--target-ctas", default=str(DEFAULT_TARGET_CTAS),
+                    help="the AOT table's CTA target for the main configs, or 'best': the study's best worst case")
+    ap.add_argument("--fi-from", metavar="JSON",
+                    help="with --no-flashinfer: copy the FlashInfer columns (fi_*) of the same (batch, context, "
+                         "budget) from this earlier run (they do not depend on our kernel or AOT table)")
     ap.add_argument("--out", default="eval/results/bench_kernels.json")
     ap.add_argument("--plot-from", nargs="+", metavar="JSON",
                     help="only plot: merge the results of these runs (later files' keys win) into --out's PNG")
@@ -432,24 +449,40 @@ def main() -> None:
     else:
         tune = tune_triton(shape, dev, gen)
     print("triton config (block_n, num_warps, num_stages):", tune, flush=True)
-    study = [] if args.tiny else target_ctas_study(shape, dev, tuple(tune["best"]), gen)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    targets = [int(x) for x in args.study_targets.split(",") if x]
+    study = [] if args.tiny or not targets else target_ctas_study(shape, dev, tuple(tune["best"]), gen, targets)
+    if args.target_ctas == "best":
+        if not study:
+            ap.error("--target-ctas best needs the study (--study-targets)")
+        target_ctas = best_target_ctas(study)
+    else:
+        target_ctas = int(args.target_ctas)
+    print("AOT table CTA target of the main configs:", target_ctas, flush=True)
+    write_results(out, shape, {}, tune, study, target_ctas, [])  # a run cut short keeps the study
     configs = [(b, n, m) for m in budgets for n in contexts for b in batches]
     if not args.tiny:  # the anchor first, so a run cut short still has it
         configs = [ANCHOR] + [cfg for cfg in configs if cfg != ANCHOR]
+    fi_columns: dict[tuple, dict] = {}
+    if args.fi_from:
+        for r in json.loads(Path(args.fi_from).read_text())["results"]:
+            fi_columns[(r["batch"], r["context"], r["mean_budget"])] = {
+                k: x for k, x in r.items() if k.startswith("fi_")} | {"fi_columns_from": args.fi_from}
     results: list[dict] = []
-    profiles = {m: synthetic_profile(shape, m) for m in {c[2] for c in configs}}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    profiles = {m: synthetic_profile(shape, m, target_ctas) for m in {c[2] for c in configs}}
     for b, n, m in tqdm(configs, desc="configs"):
         r = run_config(shape, profiles[m], b, n, dev, tuple(tune["best"]), with_fi, gen, extra_tc=(b, n, m) == ANCHOR)
+        r.update(fi_columns.get((b, n, m), {}))
         results.append(r)
         print(json.dumps({k: (round(x, 4) if isinstance(x, float) else x) for k, x in r.items() if k != "kept_tokens_per_head"}), flush=True)
-        write_results(out, shape, profiles, tune, study, results)
+        write_results(out, shape, profiles, tune, study, target_ctas, results)
     plot(results, out.with_suffix(".png"))
     print("wrote", out, out.with_suffix(".png"))
 
 
-def write_results(out: Path, shape: Shape, profiles: dict, tune: dict, study: list[dict], results: list[dict]) -> None:
+def write_results(out: Path, shape: Shape, profiles: dict, tune: dict, study: list[dict], target_ctas: int,
+                  results: list[dict]) -> None:
     doc = {
         "command": " ".join([sys.executable] + sys.argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -460,6 +493,7 @@ def write_results(out: Path, shape: Shape, profiles: dict, tune: dict, study: li
         "aot_split": {m: profiles[m].aot_split.__dict__ for m in profiles},
         "triton_tune": tune,
         "anchor_target_ctas_study": study,
+        "target_ctas": target_ctas,
         "anchor": {"batch": ANCHOR[0], "context": ANCHOR[1], "mean_budget": ANCHOR[2], "target_ms": 0.26},
         "results": results,
         "summary": summary(results),
@@ -490,7 +524,8 @@ def summary(results: list[dict]) -> list[dict]:
         rows.append(summary_row("budget 1.0: worst Triton time / FlashInfer uncompressed", max(full), "x",
                                 "<= 1.10", max(full) <= 1.10))
     plans = [r.get("triton_host_plan_ms", 0.0) for r in results]
-    rows.append(summary_row("host planning per decode step (ours)", max(plans), "ms", "0", max(plans) == 0.0))
+    if plans:
+        rows.append(summary_row("host planning per decode step (ours)", max(plans), "ms", "0", max(plans) == 0.0))
     return rows
 
 

@@ -16,7 +16,8 @@ cost. Program (r, h, s) derives its kv range on the GPU: with n the
 programs past the last chunk exit at once. The G_q query heads of kv head h are processed together
 (rows of one ``tl.dot``). A (r, h) with a single chunk writes the output directly (an empty one writes
 zeros); otherwise each chunk writes a partial (acc, lse) and a log-sum-exp merge kernel combines them
-(not launched when the bucket's max_splits is 1). Shapes depend only on
+(not launched when the bucket's max_splits is 1; one program per (request, query head) loads all its
+partials in one round). Shapes depend only on
 (B, Hq, Hkv, D, max_splits), so a batch bucket has one fixed launch: CUDA-graph capturable, no host sync.
 """
 
@@ -90,44 +91,37 @@ def _decode_split_kernel(
         if num_chunks == 1:
             tl.store(o_ptr, out.to(O.dtype.element_ty), mask=mask_h[:, None])
         else:
-            part = ((r * num_kv_heads + h) * MAX_S + s) * BLOCK_H
-            tl.store(MidO + (part + offs_h)[:, None] * D + offs_d[None, :], out)
-            tl.store(MidLse + part + offs_h, m_i + tl.log(l_i))
+            part = ((r * num_kv_heads + h) * MAX_S + s) * GQ  # only the G_q real rows: padding is never read
+            tl.store(MidO + (part + offs_h)[:, None] * D + offs_d[None, :], out, mask=mask_h[:, None])
+            tl.store(MidLse + part + offs_h, m_i + tl.log(l_i), mask=mask_h)
 
 
 @triton.jit
 def _decode_merge_kernel(
     O, MidO, MidLse, KvLens, HeadGroup, Splits,
     num_groups, min_split, stride_ob, stride_oh,
-    GQ: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, MAX_S: tl.constexpr,
+    GQ: tl.constexpr, D: tl.constexpr, MAX_S: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    """Program (r, q): query head q of request r; all its partials are loaded at once (one round of loads)."""
     r = tl.program_id(0)
-    h = tl.program_id(1)
-    num_kv_heads = tl.num_programs(1)
+    q = tl.program_id(1)
+    h = q // GQ
+    num_kv_heads = tl.num_programs(1) // GQ
     g = tl.load(HeadGroup + h)
     n = tl.load(KvLens + r * num_groups + g)
     n_split = tl.minimum(tl.load(Splits + g), MAX_S)
     chunk = tl.maximum(min_split, tl.cdiv(n, n_split))
     num_chunks = tl.cdiv(n, chunk)
     if num_chunks > 1:
-        offs_h = tl.arange(0, BLOCK_H)
-        mask_h = offs_h < GQ
+        offs_s = tl.arange(0, BLOCK_S)
+        mask_s = offs_s < num_chunks
         offs_d = tl.arange(0, D)
-        o_ptr = O + r * stride_ob + (h * GQ + offs_h)[:, None] * stride_oh + offs_d[None, :]
-        base = (r * num_kv_heads + h) * MAX_S * BLOCK_H
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_sum = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, D], tl.float32)
-        for i in range(num_chunks):
-            lse = tl.load(MidLse + base + i * BLOCK_H + offs_h)
-            o = tl.load(MidO + (base + i * BLOCK_H + offs_h)[:, None] * D + offs_d[None, :])
-            m_new = tl.maximum(m, lse)
-            a = tl.exp(m - m_new)
-            b = tl.exp(lse - m_new)
-            acc = acc * a[:, None] + o * b[:, None]
-            l_sum = l_sum * a + b
-            m = m_new
-        tl.store(o_ptr, (acc / l_sum[:, None]).to(O.dtype.element_ty), mask=mask_h[:, None])
+        row = ((r * num_kv_heads + h) * MAX_S + offs_s) * GQ + q % GQ
+        lse = tl.load(MidLse + row, mask=mask_s, other=float("-inf"))
+        o = tl.load(MidO + row[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+        w = tl.exp(lse - tl.max(lse, 0))
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(O + r * stride_ob + q * stride_oh + offs_d, out.to(O.dtype.element_ty))
 
 
 def launch_order(head_budget: Sequence[float]) -> list[int]:
@@ -191,8 +185,8 @@ def paged_decode(
     bh = _block_h(gq)
     page = k_buffer.shape[2]
     out = torch.empty_like(q)
-    mid_o = torch.empty((B, hkv, max_splits, bh, D), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((B, hkv, max_splits, bh), dtype=torch.float32, device=q.device)
+    mid_o = torch.empty((B, hkv, max_splits, gq, D), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((B, hkv, max_splits, gq), dtype=torch.float32, device=q.device)
     if head_order is None:
         head_order = torch.arange(hkv, dtype=torch.int32, device=q.device)
     _decode_split_kernel[(max_splits, B, hkv)](
@@ -207,10 +201,10 @@ def paged_decode(
     )
     if max_splits == 1:  # every (request, kv head) is one chunk, written directly
         return out
-    _decode_merge_kernel[(B, hkv)](
+    _decode_merge_kernel[(B, hq)](
         out, mid_o, mid_lse, kv_lens, head_group, splits,
         num_groups, min_split_tokens, out.stride(0), out.stride(1),
-        GQ=gq, BLOCK_H=bh, D=D, MAX_S=max_splits, num_warps=4,
+        GQ=gq, D=D, MAX_S=max_splits, BLOCK_S=triton.next_power_of_2(max_splits), num_warps=4,
     )
     return out
 

@@ -25,7 +25,8 @@
 #           stephost_triton the same with --extend-kernel triton; stephost128: 128 sessions x 4k (the short class)
 #   accuracy  eval/accuracy_server.py: SmolLM2 servers (stock triton, tangram r0.5) on the CPU accuracy run's conversations
 #           (accuracy_p31: the snapkv:pool_kernel=31 profile on its own CPU run's conversations)
-#   kernels  eval/bench_kernels.py: decode CTA-target study and Triton grid (no FlashInfer)
+#   kernels  eval/bench_kernels.py: Triton block-config tune, decode CTA-target study, then the batch 16-64 x 32k/64k
+#           grid at the study's best target (FlashInfer columns copied from bench_kernels_aot2.json)
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 #           (the serving FlashInfer path included); writes its JSON after every case
 # Logs and JSON go to $OUT (the device tool brings them back).
@@ -130,8 +131,9 @@ soak_run() {
     --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
 }
 # the decode kernel's CTA-target study + Triton-only grid (FlashInfer baselines: drop --no-flashinfer, ~2x longer)
-stage_kernels() { (cd /tmp && timeout 580 python3 "$R"/eval/bench_kernels.py --no-tune --no-flashinfer \
-  --batches 16,32,64 --contexts 32768,65536 --out "$OUT"/bench_kernels_ctas.json 2>&1 | tail -30); }
+stage_kernels() { (cd /tmp && timeout 580 python3 "$R"/eval/bench_kernels.py --no-flashinfer \
+  --fi-from "$R"/eval/results/bench_kernels_aot2.json --study-targets 264,528,792,1056,1584 --target-ctas best \
+  --batches 16,32,64 --contexts 32768,65536 --out "$OUT"/bench_kernels_merge1.json 2>&1 | tail -30); }
 stage_extend() { (cd /tmp && timeout 540 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 # the GPU server's accuracy vs the CPU reference run, same conversations (after `smol`; ~3 min per server)
 stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \
