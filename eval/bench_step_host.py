@@ -23,6 +23,9 @@ host-bound on any machine.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -44,6 +47,16 @@ from tangram_sgl.pool.reservation import segment_kept_counts
 from tangram_sgl.profile import load_profile
 
 DEFAULT_PROFILE = ROOT / "tangram_sgl" / "profiles" / "llama-3.1-8b.synthetic.r0.25.json"
+
+
+def write_profile(prof: cProfile.Profile, path: Path) -> None:
+    """The top 40 functions by own time, then by cumulative time, as pstats prints them."""
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(40)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.getvalue())
+    print("wrote", path)
 
 
 def sync(dev: torch.device) -> None:
@@ -105,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extend-kernel", choices=EXTEND_KERNELS, help="extend attention, as --tangram-extend-kernel "
                    f"(default: {DEFAULT_EXTEND_KERNEL} on CUDA, as the server; the Triton/torch kernel set elsewhere)")
     p.add_argument("--host-only", action="store_true", help="time the decode step's host metadata only")
+    p.add_argument("--cprofile", action="store_true",
+                   help="cProfile each timed extend batch's layers: the top functions by own time "
+                        "go to <out>/<name>_extend<question>.prof.txt (where the host waits shows up as own time)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="bench_step_host")
     a = p.parse_args(argv)
@@ -159,8 +175,14 @@ def main(argv: list[str] | None = None) -> int:
             ext_host_ms, step = timed(dev, lambda rows=rows: ctx.step(rows, []))
             qe = torch.randn(len(batch) * question, hq, d, generator=gen, device=dev, dtype=kv.pool.k_buffer.dtype)
             ke = torch.randn(len(batch) * question, lay.num_kv_heads, d, generator=gen, device=dev, dtype=qe.dtype)
+            prof = cProfile.Profile() if a.cprofile and batch is rids and len(layer_times) == 2 else None
+            if prof is not None:  # the timed batch's layers (its metadata is timed above)
+                prof.enable()
             layer_times.append(timed(dev, lambda step=step, qe=qe, ke=ke: (
                 [step.attend(layer, qe, ke, ke, scale) for layer in range(lay.num_layers)], step.commit()))[0])
+            if prof is not None:
+                prof.disable()
+                write_profile(prof, a.out / f"{a.name}_extend{question}.prof.txt")
         extend[question] = {"host_ms": ext_host_ms, "layers_ms": layer_times[-1],
                             "first_full_batch_layers_ms": layer_times[1], "compressed": bool(step.compressed)}
 
