@@ -87,12 +87,18 @@ class _Ragged:
         return (out, lse) if return_lse else out
 
 
+def _check_max_qo(qo_indptr: torch.Tensor, given: int) -> None:
+    """FlashInfer trusts ``max_token_per_sequence`` instead of computing it: it must be the exact maximum."""
+    assert given == int((qo_indptr[1:] - qo_indptr[:-1]).max()), (given, qo_indptr)
+
+
 class _Paged(_Ragged):
     """Torch stand-in: FlashInfer's paged prefill (kv_len from indptr and last_page_len, as get_seq_lens)."""
 
     def plan(self, qo_indptr, kv_indptr, indices, last, hq, hkv, d, page_size, *, causal, sm_scale, q_data_type,
-             kv_data_type):
+             kv_data_type, max_token_per_sequence):
         assert qo_indptr.device.type == "cpu" and kv_indptr.device.type == "cpu"  # plan() reads them on the host
+        _check_max_qo(qo_indptr, max_token_per_sequence)
         self.qo, self.ptr, self.indices, self.last, self.ps = qo_indptr, kv_indptr, indices, last, page_size
         self.hq, self.hkv, self.causal, self.scale = hq, hkv, causal, sm_scale
 

@@ -23,7 +23,8 @@
 #   soak_start, soak_finish   the same over two back-to-back calls (6.5 + 3.5 minutes of load on one server)
 #   stephost  eval/bench_step_host.py: host metadata time per decode / extend step vs the GPU attention (no server);
 #           stephost_triton the same with --extend-kernel triton; stephost128: 128 sessions x 4k (the short class),
-#           32/96-token questions, each extend batch's layers cProfiled (*.prof.txt)
+#           32/96-token questions, each extend batch's layers cProfiled (*.prof.txt); stephost128_triton the same with
+#           the Triton extend kernel (no plan(): the A/B for question-sized extend steps)
 #   accuracy  eval/accuracy_server.py: SmolLM2 servers (stock triton, tangram r0.5) on the CPU accuracy run's conversations
 #           (accuracy_p31: the snapkv:pool_kernel=31 profile on its own CPU run's conversations)
 #   kernels  eval/bench_kernels.py: Triton block-config tune, decode CTA-target study, then the batch 16-64 x 32k/64k
@@ -158,9 +159,11 @@ stage_accuracy_qwen() { timeout 580 python3 eval/accuracy_server.py --model-path
 stage_stephost() {
   (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --out "$OUT" 2>&1 | tail -12)
 }
-stage_stephost128() {  # the short class's decode batch: 128 sessions of 4k tokens
+stage_stephost128() { stephost128_run flashinfer bench_step_host_r128; }
+stage_stephost128_triton() { stephost128_run triton bench_step_host_r128_triton; }
+stephost128_run() {  # the short class's batch: 128 sessions of 4k tokens; extend kernel $1, result name $2
   (cd /tmp && timeout 300 python3 "$R"/eval/bench_step_host.py --requests 128 --context 4096 --chunk 4096 \
-     --questions 32,96 --cprofile --name bench_step_host_r128 --out "$OUT" 2>&1 | tail -12)
+     --questions 32,96 --cprofile --extend-kernel "$1" --name "$2" --out "$OUT" 2>&1 | tail -12)
 }
 stage_stephost_triton() {  # the same with our Triton extend kernel (the default is FlashInfer's)
   (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --extend-kernel triton \
