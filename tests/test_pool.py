@@ -245,7 +245,7 @@ def test_whole_segments_written_together_equal_one_by_one():
 def test_compressed_segments_written_together_equal_one_by_one():
     """Compressed segments of different lengths and positions (one after a cached first turn, so its sink
     differs) selected and written for all requests in one batch per layer land exactly where per-request
-    ``write_segment_layer`` puts them, with the same kept positions."""
+    ``write_segment_layer`` puts them, with the same kept positions (also when committed together)."""
     first = list(range(200, 220))
     seqs = {"a": list(range(1, 30)), "b": list(range(40, 52)), "c": list(range(60, 101))}
 
@@ -273,7 +273,10 @@ def test_compressed_segments_written_together_equal_one_by_one():
             for rid in seqs:
                 for layer in range(L):
                     mgr.write_segment_layer(rid, layer, kvs[rid][0][layer], kvs[rid][1][layer], scores[rid][layer])
-        segs = {rid: mgr.commit_segment(rid) for rid in seqs}
+        if batched:  # committed together too: one host copy of all their kept positions
+            segs = dict(zip(seqs, mgr.commit_segments(list(seqs))))
+        else:
+            segs = {rid: mgr.commit_segment(rid) for rid in seqs}
         check_invariants(mgr)
         return mgr, segs
 

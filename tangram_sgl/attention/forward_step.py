@@ -239,5 +239,4 @@ class ForwardStep:
 
     def commit(self) -> None:
         """After the last layer: the extend rows' segments become committed (visible to later steps)."""
-        for i in self.extend_rows:
-            self.ctx.kv.commit_segment(self.rids[i])
+        self.ctx.kv.commit_segments([self.rids[i] for i in self.extend_rows])

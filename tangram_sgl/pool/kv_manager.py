@@ -345,14 +345,32 @@ class TangramKVManager:
 
     def commit_segment(self, rid: Hashable) -> Segment:
         """Turn the fully written pending segment into a segment the request owns."""
-        req = self.requests[rid]
-        if req.pending is None:
-            raise RuntimeError(f"request {rid!r} has no reserved segment")
-        seg = req.pending.to_segment(self.layout.num_layers, [len(m) for m in self.layout.members])
-        req.segments.append(seg)
-        req.pending = None
-        req.version += 1
-        return seg
+        return self.commit_segments([rid])[0]
+
+    def commit_segments(self, rids: Sequence[Hashable]) -> list[Segment]:
+        """:meth:`commit_segment` of several requests; the kept positions of those that dropped tokens come to
+        the host in one device copy (one synchronisation per extend step, not one per row)."""
+        reqs = [self.requests[rid] for rid in rids]
+        for req in reqs:
+            if req.pending is None:
+                raise RuntimeError(f"request {req.rid!r} has no reserved segment")
+        dropped = [req.pending for req in reqs if not req.pending.full]
+        host = {}
+        if dropped:
+            flat = torch.cat([p.kept_table.reshape(-1) for p in dropped]).cpu()
+            at = 0
+            for p in dropped:
+                host[id(p)] = flat[at:at + p.kept_table.numel()].view(p.kept_table.shape)
+                at += p.kept_table.numel()
+        members = [len(m) for m in self.layout.members]
+        segs = []
+        for req in reqs:
+            seg = req.pending.to_segment(self.layout.num_layers, members, host.get(id(req.pending)))
+            req.segments.append(seg)
+            req.pending = None
+            req.version += 1
+            segs.append(seg)
+        return segs
 
     def commit_if_written(self, rid: Hashable) -> bool:
         """Commit the pending segment if every layer has been written; True if one was committed."""

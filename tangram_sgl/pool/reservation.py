@@ -94,17 +94,19 @@ class PendingSegment:
     writes: SegmentWrites | None = None
     protected: torch.Tensor | None = None
 
-    def host_kept(self, members: list[int]) -> list[torch.Tensor]:
-        """Per group g: int32 ``[members[g], k_g]`` kept positions on the host (one device copy)."""
-        table = self.kept_table.cpu()
+    def host_kept(self, members: list[int], table: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Per group g: int32 ``[members[g], k_g]`` kept positions on the host, from ``table`` (a host copy of
+        ``kept_table``, e.g. one of several copied at once) or one device copy of it."""
+        table = self.kept_table.cpu() if table is None else table
         return [table[g, :m, :k] for g, (m, k) in enumerate(zip(members, self.kept_counts))]
 
     @property
     def full(self) -> bool:
         return all(k == len(self.token_ids) for k in self.kept_counts)
 
-    def to_segment(self, num_layers: int, members: list[int]) -> Segment:
-        """The committed segment (``members[g]``: group g's member count); every layer must have been written."""
+    def to_segment(self, num_layers: int, members: list[int], kept_host: torch.Tensor | None = None) -> Segment:
+        """The committed segment (``members[g]``: group g's member count; ``kept_host``: a host copy of
+        ``kept_table`` if the caller made one); every layer must have been written."""
         missing = sorted(set(range(num_layers)) - self.layers_written)
         if missing:
             raise RuntimeError(f"segment [{self.start}, {self.start + len(self.token_ids)}) is missing the K/V "
@@ -112,4 +114,5 @@ class PendingSegment:
         for gs, k in zip(self.groups, self.kept_counts):
             gs.length = k
         full = self.full
-        return Segment(self.start, self.token_ids, full, self.groups, None if full else self.host_kept(members))
+        return Segment(self.start, self.token_ids, full, self.groups,
+                       None if full else self.host_kept(members, kept_host))
