@@ -322,15 +322,17 @@ class TangramKVManager:
         """The writes of the pending segments of ``rids`` — each kept whole by every group — whose tokens are
         staging rows ``[starts[i], starts[i] + n_i)`` (:meth:`write_full_segments_layer` runs them per layer:
         one batch of device work for all these requests instead of one per request)."""
-        dev, slots, tokens = self.pool.device, [], []
-        for rid, a in zip(rids, starts):
+        tables, lengths = [], []
+        for rid in rids:
             pend = self.requests[rid].pending
             if pend is None or not pend.full:
                 raise ValueError(f"request {rid!r} has no pending segment kept whole by every group")
-            n = len(pend.token_ids)
-            slots.append(pend.slot_table[:, :n][self._head_group])  # [L, H, n]
-            tokens.append(torch.arange(a, a + n, device=dev))
-        return FullSegmentWrites(list(rids), torch.cat(slots, 2), self._head_column, torch.cat(tokens))
+            lengths.append(len(pend.token_ids))
+            tables.append(pend.slot_table[:, :lengths[-1]])  # [G, n]: group g's slot of each token
+        # a few device operations for all rows (one gather by the [L, H] head -> group map), not a few per row
+        tokens = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lengths)])
+        return FullSegmentWrites(list(rids), torch.cat(tables, 1)[self._head_group], self._head_column,
+                                 torch.from_numpy(tokens).to(self.pool.device, non_blocking=True))
 
     def write_full_segments_layer(self, plan: FullSegmentWrites, layer: int, k: torch.Tensor,
                                   v: torch.Tensor) -> None:

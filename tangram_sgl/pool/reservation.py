@@ -9,6 +9,7 @@ all groups).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -100,8 +101,9 @@ class PendingSegment:
         table = self.kept_table.cpu() if table is None else table
         return [table[g, :m, :k] for g, (m, k) in enumerate(zip(members, self.kept_counts))]
 
-    @property
+    @cached_property
     def full(self) -> bool:
+        """Every group keeps every token (asked per row several times a step; the counts never change)."""
         return all(k == len(self.token_ids) for k in self.kept_counts)
 
     def to_segment(self, num_layers: int, members: list[int], kept_host: torch.Tensor | None = None) -> Segment:
