@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             replay_on_server(a, label, profile, extra, conv_file, cpu["max_new_tokens"], out)
         elif not out.exists():
             raise SystemExit(f"{out}: no replay of server {spec} there")
-        turns = json.loads(out.read_text())["turns"] if out.exists() else []
+        doc = json.loads(out.read_text()) if out.exists() else None
+        turns = doc["turns"] if doc else []
         method = cpu_label(profile)
         pairs = [(t, cpu_turns.get((method, t["session"], t["turn"]))) for t in turns if t["error"] is None]
         pairs = [(t, c) for t, c in pairs if c is not None and c["answer"] is not None]
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_hits = sum(c["correct"] for _, c in pairs)
         same = sum(t["answer"].strip() == c["answer"].strip() for t, c in pairs)
         n = max(len(pairs), 1)
-        replayed = {k: json.loads(out.read_text())[k] for k in ("date", "command")} if out.exists() else None
+        replayed = {k: doc[k] for k in ("date", "command")} if doc else None
         runs.append({"server": spec, "cpu_method": method, "turns": len(turns), "compared": len(pairs),
                      "hits": hits, "cpu_hits": cpu_hits, "identical_answers": same, "replay": replayed})
         summary += [summary_row(f"{label}: answers containing the expected text", round(100 * hits / n, 1), "%"),

@@ -135,7 +135,7 @@ soak_run() {
 # the decode kernel's CTA-target study + Triton-only grid (FlashInfer baselines: drop --no-flashinfer, ~2x longer)
 stage_kernels() { (cd /tmp && timeout 580 python3 "$R"/eval/bench_kernels.py --no-flashinfer \
   --fi-from "$R"/eval/results/bench_kernels_aot2.json --study-targets 264,528,792,1056,1584 --target-ctas best \
-  --batches 16,32,64 --contexts 32768,65536 --out "$OUT"/bench_kernels_merge1.json 2>&1 | tail -30); }
+  --batches 16,32,64 --contexts 32768,65536 --out "$OUT"/bench_kernels_study.json 2>&1 | tail -30); }
 stage_extend() { (cd /tmp && timeout 540 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 # the GPU server's accuracy vs the CPU reference run, same conversations (after `smol`; ~3 min per server)
 stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \

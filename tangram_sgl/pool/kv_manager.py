@@ -360,10 +360,8 @@ class TangramKVManager:
         host = {}
         if dropped:
             flat = torch.cat([p.kept_table.reshape(-1) for p in dropped]).cpu()
-            at = 0
-            for p in dropped:
-                host[id(p)] = flat[at:at + p.kept_table.numel()].view(p.kept_table.shape)
-                at += p.kept_table.numel()
+            parts = flat.split([p.kept_table.numel() for p in dropped])
+            host = {id(p): t.view(p.kept_table.shape) for p, t in zip(dropped, parts)}
         members = [len(m) for m in self.layout.members]
         segs = []
         for req in reqs:

@@ -80,9 +80,9 @@ class PendingSegment:
 
     On the pool's device while it is written: ``slot_table`` int64 ``[G, max k_g]`` (group g's reserved
     slots for kept tokens 0..k_g-1), ``kept_table`` int32 ``[G, H_p, max k_g]`` (the kept positions of each
-    member, filled layer by layer, -1 elsewhere), copied to the host once, at commit (``host_kept``), and
-    its :class:`SegmentWrites` and protected-position mask (built at reservation for a segment that drops
-    tokens; on first use for one kept whole).
+    member, filled layer by layer, -1 elsewhere), copied to the host at commit (one copy for all rows of a
+    step: ``TangramKVManager.commit_segments``), and its :class:`SegmentWrites` and protected-position mask
+    (built at reservation for a segment that drops tokens; on first use for one kept whole).
     """
 
     start: int
@@ -95,10 +95,8 @@ class PendingSegment:
     writes: SegmentWrites | None = None
     protected: torch.Tensor | None = None
 
-    def host_kept(self, members: list[int], table: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Per group g: int32 ``[members[g], k_g]`` kept positions on the host, from ``table`` (a host copy of
-        ``kept_table``, e.g. one of several copied at once) or one device copy of it."""
-        table = self.kept_table.cpu() if table is None else table
+    def host_kept(self, members: list[int], table: torch.Tensor) -> list[torch.Tensor]:
+        """Per group g: int32 ``[members[g], k_g]`` kept positions, from ``table``: a host copy of ``kept_table``."""
         return [table[g, :m, :k] for g, (m, k) in enumerate(zip(members, self.kept_counts))]
 
     @cached_property
@@ -106,9 +104,9 @@ class PendingSegment:
         """Every group keeps every token (asked per row several times a step; the counts never change)."""
         return all(k == len(self.token_ids) for k in self.kept_counts)
 
-    def to_segment(self, num_layers: int, members: list[int], kept_host: torch.Tensor | None = None) -> Segment:
-        """The committed segment (``members[g]``: group g's member count; ``kept_host``: a host copy of
-        ``kept_table`` if the caller made one); every layer must have been written."""
+    def to_segment(self, num_layers: int, members: list[int], kept_host: torch.Tensor | None) -> Segment:
+        """The committed segment (``members[g]``: group g's member count; ``kept_host``: the host copy of
+        ``kept_table``, None for a segment kept whole); every layer must have been written."""
         missing = sorted(set(range(num_layers)) - self.layers_written)
         if missing:
             raise RuntimeError(f"segment [{self.start}, {self.start + len(self.token_ids)}) is missing the K/V "
