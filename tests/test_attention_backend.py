@@ -25,13 +25,12 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-from tangram_sgl.kernels.flashinfer_extend import FlashInferExtend
 from tangram_sgl.patches.attention_backend import TangramNotServable
 from tangram_sgl.patches.cuda_graph import can_run_graph_around
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tangram_sgl.attention.backend import TangramAttnBackend
-from tangram_sgl.attention.forward_step import AttentionContext, StepError, StepRow
+from tangram_sgl.attention.forward_step import AttentionContext, StepError, StepRow, layout_flashinfer_extend
 from tangram_sgl.budget import kept_tokens
 from tangram_sgl.pool.invariants import check_invariants
 from tangram_sgl.pool.kv_manager import TangramKVManager
@@ -846,12 +845,12 @@ def _extend_steps_agree(make_flashinfer_ctx, dtype: torch.dtype, tol: float) -> 
 
 def test_flashinfer_extend_step_wiring_matches_the_kernel_step(monkeypatch):
     """ForwardStep with a FlashInfer extend (FlashInfer's API stood in by torch, see
-    tests/test_flashinfer_extend.py): per-layer head maps, host indptr and staging reach it correctly."""
+    tests/test_flashinfer_extend.py): head maps and orders, host indptr and staging reach it correctly."""
     from test_flashinfer_extend import flashinfer_standin
 
     monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin())
-    _extend_steps_agree(lambda base, kv, profile: dataclasses.replace(base, flashinfer_extend=FlashInferExtend(DEV)),
-                        torch.float32, TOL)
+    _extend_steps_agree(lambda base, kv, profile: dataclasses.replace(
+        base, flashinfer_extend=layout_flashinfer_extend(kv.layout, base.head_order.tolist(), DEV)), torch.float32, TOL)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="FlashInfer runs on CUDA only (GPU test stage)")

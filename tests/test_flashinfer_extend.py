@@ -92,25 +92,46 @@ def _check_max_qo(qo_indptr: torch.Tensor, given: int) -> None:
     assert given == int((qo_indptr[1:] - qo_indptr[:-1]).max()), (given, qo_indptr)
 
 
+def _seq_lens(indptr: torch.Tensor, last: torch.Tensor, page_size: int) -> torch.Tensor:
+    """FlashInfer's get_seq_lens: pages before the last are full."""
+    return (indptr[1:] - indptr[:-1] - 1).clamp(min=0) * page_size + last
+
+
 class _Paged(_Ragged):
-    """Torch stand-in: FlashInfer's paged prefill (kv_len from indptr and last_page_len, as get_seq_lens)."""
+    """Torch stand-in: FlashInfer's paged prefill in CUDA-graph mode (plan() copies into the caller's buffers,
+    run() reads them; kv_len from indptr and last_page_len). The fa2 kernel a plan is reused on clamps a kv
+    chunk past the run-time length, so a plan holds while each run-time length is at most the planned one:
+    checked at every run()."""
+
+    def __init__(self, workspace, layout, use_cuda_graph=False, qo_indptr_buf=None, paged_kv_indptr_buf=None,
+                 paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None, backend="auto"):
+        assert layout == "NHD" and use_cuda_graph and backend == "fa2"
+        self.qo_buf, self.ptr_buf, self.indices_buf, self.last_buf = (
+            qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf)
 
     def plan(self, qo_indptr, kv_indptr, indices, last, hq, hkv, d, page_size, *, causal, sm_scale, q_data_type,
              kv_data_type, max_token_per_sequence):
-        assert qo_indptr.device.type == "cpu" and kv_indptr.device.type == "cpu"  # plan() reads them on the host
+        assert all(x.device.type == "cpu" for x in (qo_indptr, kv_indptr, last))  # plan() reads them on the host
         _check_max_qo(qo_indptr, max_token_per_sequence)
-        self.qo, self.ptr, self.indices, self.last, self.ps = qo_indptr, kv_indptr, indices, last, page_size
-        self.hq, self.hkv, self.causal, self.scale = hq, hkv, causal, sm_scale
+        assert len(qo_indptr) == len(self.qo_buf) and len(indices) <= len(self.indices_buf)  # FlashInfer's checks
+        self.qo_buf.copy_(qo_indptr)
+        self.ptr_buf.copy_(kv_indptr)
+        self.last_buf.copy_(last)
+        self.indices_buf[:len(indices)].copy_(indices)
+        self.planned = _seq_lens(kv_indptr, last, page_size)
+        self.hq, self.hkv, self.ps, self.causal, self.scale = hq, hkv, page_size, causal, sm_scale
 
     def run(self, q, kv, return_lse=False):
         k_pages, v_pages = kv
+        ptr, last = self.ptr_buf.cpu(), self.last_buf.cpu()
+        lens = _seq_lens(ptr, last, self.ps)
+        assert bool((lens <= self.planned).all()), "a run-time kv length exceeds the one the plan was made for"
         out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=q.device)
-        for r in range(len(self.qo) - 1):
-            pages = self.indices[int(self.ptr[r]):int(self.ptr[r + 1])].long()
-            n = max(len(pages) - 1, 0) * self.ps + int(self.last[r])
-            k = k_pages[pages].reshape(-1, self.hkv, k_pages.shape[-1])[:n, 0]
-            v = v_pages[pages].reshape(-1, self.hkv, v_pages.shape[-1])[:n, 0]
-            qs = slice(int(self.qo[r]), int(self.qo[r + 1]))
+        for r in range(len(ptr) - 1):
+            pages = self.indices_buf[int(ptr[r]):int(ptr[r + 1])].long()
+            k = k_pages[pages].reshape(-1, self.hkv, k_pages.shape[-1])[:int(lens[r]), 0]
+            v = v_pages[pages].reshape(-1, self.hkv, v_pages.shape[-1])[:int(lens[r]), 0]
+            qs = slice(int(self.qo_buf[r]), int(self.qo_buf[r + 1]))
             out[qs], lse[qs] = _attend(q[qs], k, v, self.causal, self.scale)
         return (out, lse) if return_lse else out
 
@@ -126,40 +147,73 @@ def flashinfer_standin() -> types.SimpleNamespace:
                                  BatchPrefillWithPagedKVCacheWrapper=_Paged, merge_state=_merge_state)
 
 
-def _run_case(gqa, hkv, page, n_new, lengths, dev, layers=2):
+def layer_maps(hkv: int, num_groups: int, hp: int, layers: int, seed: int = 5):
+    """[L, Hkv] group, column and order arrays: layer l rolls the round-robin map by l (other groups per layer);
+    orders are random permutations (the launch order is a budget sort; any order must give the same result)."""
+    hg, hc = (x.numpy() for x in layer_map(hkv, num_groups, hp))
+    rng = np.random.default_rng(seed)
+    return (np.stack([np.roll(hg, li) for li in range(layers)]), np.stack([np.roll(hc, li) for li in range(layers)]),
+            np.stack([rng.permutation(hkv) for _ in range(layers)]))
+
+
+def _run_case(gqa, hkv, page, n_new, lengths, dev, layers=2, planned_lens=None):
     G, hp, D = len(lengths[0]), 2, 64  # FlashInfer's prefill kernels: head dim 64/128/256
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     k, v, indptr, indices = make_pool(lengths, page_size=page, heads_per_group=hp, head_dim=D, seed=3)
     k, v, indices = k.to(dev, dtype), v.to(dev, dtype), indices.to(dev)
     offsets = [0, *itertools.accumulate(n_new)]
-    fi = FlashInferExtend(dev, workspace_bytes=1 << 20)
-    step = fi.step(offsets, indptr.numpy(), indices, num_kv_heads=hkv, page_size=page, heads_per_group=hp)
+    hg, hc, order = layer_maps(hkv, G, hp, layers)
+    fi = FlashInferExtend(dev, hg, hc, order, page_size=page, heads_per_group=hp, workspace_bytes=1 << 20)
+    step = fi.step(offsets, indptr.numpy(), indices)
+    if planned_lens is not None:
+        step.planned_lens = planned_lens(step)
     gen = torch.Generator(device="cpu").manual_seed(4)
-    for layer in range(layers):  # layers map their heads to other (group, column)s: one prefix plan each
-        hg, hc = layer_map(hkv, G, hp)
-        hg, hc = hg.roll(layer), hc.roll(layer)
+    for layer in range(layers):  # one prefix plan for all layers, though their lengths differ
         q = torch.randn(offsets[-1], gqa * hkv, D, generator=gen).to(dev, dtype)
         kn, vn = (torch.randn(offsets[-1], hkv, D, generator=gen).to(dev, dtype) for _ in range(2))
-        out = step.attend(q, kn, vn, k, v, hg.tolist(), hc.tolist(), 0.3)
+        out = step.attend(layer, q, kn, vn, k, v, 0.3)
         ref = extend_attention_torch(q.float(), kn.float(), vn.float(), torch.tensor(offsets, dtype=torch.int32,
-                                     device=dev), k.float(), v.float(), indptr.to(dev), indices, hg.to(dev),
-                                     hc.to(dev), sm_scale=0.3)
+                                     device=dev), k.float(), v.float(), indptr.to(dev), indices,
+                                     torch.from_numpy(hg[layer]).to(dev), torch.from_numpy(hc[layer]).to(dev),
+                                     sm_scale=0.3)
         tol = {"atol": 2e-5, "rtol": 1e-4} if dev == "cpu" else {"atol": 3e-2, "rtol": 3e-2}
         torch.testing.assert_close(out.float(), ref, **tol)
 
 
 @pytest.mark.parametrize("gqa,hkv,page,n_new,lengths", CASES)
 def test_two_pass_plumbing_matches_reference(monkeypatch, gqa, hkv, page, n_new, lengths):
-    """Permutations, page-size-1 view, per-layer plans and the merge, with FlashInfer replaced by torch."""
+    """Head orders, page-size-1 view, the per-step prefix plan with per-layer indices, and the merge, with
+    FlashInfer replaced by torch."""
     monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin())
-    _run_case(gqa, hkv, page, n_new, lengths, "cpu")
+    _run_case(gqa, hkv, page, n_new, lengths, "cpu", layers=3)
+
+
+def test_prefix_pass_is_planned_once_per_step(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin())
+    planned = []
+    plan = _Paged.plan
+    monkeypatch.setattr(_Paged, "plan", lambda self, *a, **k: (planned.append(a), plan(self, *a, **k)))
+    _run_case(4, 4, 16, [5, 1, 20], [[40, 7], [3, 0], [0, 16]], "cpu", layers=4)
+    assert len(planned) == 1
+
+
+def test_a_plan_for_one_layers_lengths_does_not_cover_the_others(monkeypatch):
+    """Why the plan takes each pseudo-request's largest length over the layers: planned with the first
+    layer's lengths only, a later layer runs past them (the stand-in's check, FlashInfer's validity rule)."""
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin())
+
+    def first_layer(step):
+        return np.diff(step.kv_indptr).reshape(step.batch, -1)[:, step.fi.rank_group[0]].reshape(-1)
+
+    with pytest.raises(AssertionError, match="exceeds the one the plan was made for"):
+        _run_case(4, 4, 16, [5, 1, 20], [[40, 7], [3, 0], [0, 16]], "cpu", layers=3, planned_lens=first_layer)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="FlashInfer runs on the GPU (TANGRAM_KERNEL_TEST_DEVICE=cuda)")
 @pytest.mark.parametrize("gqa,hkv,page,n_new,lengths", CASES + [(4, 8, 16, [300, 64], [[900, 40, 0, 333],
                                                                                         [17, 1024, 5, 64]])])
 def test_flashinfer_extend_matches_reference(gqa, hkv, page, n_new, lengths):
-    _run_case(gqa, hkv, page, n_new, lengths, "cuda", layers=3)
+    _run_case(gqa, hkv, page, n_new, lengths, "cuda", layers=4)
 
 
 def test_no_prefix_step_is_the_chunk_pass(monkeypatch):
@@ -174,4 +228,4 @@ def test_no_prefix_step_is_the_chunk_pass(monkeypatch):
 def test_missing_flashinfer_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer -> ImportError
     with pytest.raises(RuntimeError, match="needs the flashinfer package"):
-        FlashInferExtend("cpu")
+        FlashInferExtend("cpu", *layer_maps(2, 2, 2, 1), page_size=16, heads_per_group=2)

@@ -29,12 +29,14 @@ import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tangram_sgl.attention.kernel_set import KernelSet
 from tangram_sgl.attention.segment_scoring import PreRope, ScoredRows, SegmentScorer
 from tangram_sgl.kernels.decode import csr_ranges, launch_order
 from tangram_sgl.kernels.flashinfer_extend import FlashInferExtend
+from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.pool.kv_manager import TangramKVManager
 from tangram_sgl.profile import AotSplitTable, TangramProfile
 
@@ -93,7 +95,7 @@ class AttentionContext:
             if torch.device(dev).type != "cuda":
                 raise ValueError("extend_kernel='flashinfer' (--tangram-extend-kernel's default) needs the pool on "
                                  "a CUDA device; elsewhere choose the Triton kernel (--tangram-extend-kernel triton)")
-            fi = FlashInferExtend(dev)
+            fi = layout_flashinfer_extend(lay, order, dev)
         elif extend_kernel not in (None, "triton", ks.name):
             raise ValueError(f"unknown extend kernel {extend_kernel!r}; choose 'flashinfer', 'triton' or the "
                              f"kernel set {ks.name!r}")
@@ -110,6 +112,14 @@ class AttentionContext:
 
     def step(self, rows: Sequence[StepRow], decode_token_ids: Sequence[int] = ()) -> ForwardStep:
         return ForwardStep(self, rows, decode_token_ids)
+
+
+def layout_flashinfer_extend(layout: HeadGroupLayout, head_order: Sequence[Sequence[int]],
+                             device: torch.device | str) -> FlashInferExtend:
+    """FlashInfer's extend passes for ``layout``'s head maps (``head_order``: each layer's launch order)."""
+    return FlashInferExtend(device, np.array([ls.group for ls in layout.layers]),
+                            np.array([ls.column for ls in layout.layers]), np.asarray(head_order),
+                            page_size=layout.page_size, heads_per_group=layout.heads_per_group)
 
 
 def decode_attend(ctx: AttentionContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -158,10 +168,7 @@ class ForwardStep:
         self.max_new = int(lens.max())
         self.fi_step = None
         if ctx.flashinfer_extend is not None and not self.decode_only:  # indptr: the host CSR built above
-            lay = kv.layout
-            self.fi_step = ctx.flashinfer_extend.step(self.offsets, indptr.numpy(), self.kv_indices,
-                                                      num_kv_heads=lay.num_kv_heads, page_size=lay.page_size,
-                                                      heads_per_group=lay.heads_per_group)
+            self.fi_step = ctx.flashinfer_extend.step(self.offsets, indptr.numpy(), self.kv_indices)
         self.decode_index = torch.tensor([self.offsets[i] for i in decode_rows], dtype=torch.long, device=dev)
         self.compress = {i: not kv.requests[self.rids[i]].pending.full for i in self.extend_rows}
         whole = [i for i in self.extend_rows if not self.compress[i]]  # each kind written in one batch per layer
@@ -223,8 +230,7 @@ class ForwardStep:
             return decode_attend(ctx, layer, q, k, v, scale, self.token_slots, self.kv_starts, self.kv_lens,
                                  self.kv_indices, self.splits, self.max_splits)
         if self.fi_step is not None:
-            maps = kv.layout.layers[layer]
-            out = self.fi_step.attend(q, k, v, pool.k_buffer, pool.v_buffer, maps.group, maps.column, scale)
+            out = self.fi_step.attend(layer, q, k, v, pool.k_buffer, pool.v_buffer, scale)
         else:
             out = ctx.kernels.extend(q, k, v, self.qo_indptr, self.max_new, pool.k_buffer, pool.v_buffer,
                                      self.kv_indptr, self.kv_indices, hg, hc, scale)
