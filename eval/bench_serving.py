@@ -229,8 +229,8 @@ def short_label(run: dict) -> str:
     """``stock flashinfer`` / ``tangram r0.25 (triton)`` for plots: tangram runs name their extend kernel, the
     one ``tangram@<kernel>:`` gave or else the label's (runs recorded before labels named it ran Triton)."""
     kind, _, arg = run["server"].partition(":")
-    if kind == "stock":
-        return f"stock {arg}"
+    if kind in ("stock", "stock-nooverlap"):
+        return f"{kind} {arg}"
     ratio = run.get("target_ratio")
     name = f"tangram r{ratio:g}" if ratio is not None else run["label"]
     kernel = kind.partition("@")[2] or next((k for k in EXTEND_KERNELS if run["label"].startswith(f"tangram_{k}_")),
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = []
     for (ctx, conc), name in load_names(runs).items():
         mine = [r for r in runs if (r["context"], r["concurrency"]) == (ctx, conc) and "summary" in r]
-        base = next((r for r in mine if r["server"].startswith("stock")), None)
+        base = next((r for r in mine if r["server"].partition(":")[0] == "stock"), None)
         for r in mine:
             tput = r["summary"]["output_tokens_per_s"]
             summary.append(summary_row(f"{r['label']} {name}: output tokens/s", round(tput, 1), "tok/s"))

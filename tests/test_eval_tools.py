@@ -166,6 +166,8 @@ def test_server_specs():
     from server_proc import parse_server_spec
 
     assert parse_server_spec("stock:flashinfer") == ("stock_flashinfer", None, ["--attention-backend", "flashinfer"])
+    assert parse_server_spec("stock-nooverlap:flashinfer") == (
+        "stock_flashinfer_nooverlap", None, ["--attention-backend", "flashinfer", "--disable-overlap-schedule"])
     assert parse_server_spec("tangram:/p/x.r1.json") == ("tangram_flashinfer_x.r1", "/p/x.r1.json", [])
     assert parse_server_spec("tangram@triton:/p/x.json") == (
         "tangram_triton_x", "/p/x.json", ["--tangram-extend-kernel", "triton"])
@@ -177,6 +179,7 @@ def test_server_specs():
 
 def test_plot_labels_are_short():
     assert bench_serving.short_label({"server": "stock:flashinfer"}) == "stock flashinfer"
+    assert bench_serving.short_label({"server": "stock-nooverlap:flashinfer"}) == "stock-nooverlap flashinfer"
     # the label names the default kernel; labels from before it did (only the profile stem) ran Triton
     assert bench_serving.short_label({"server": "tangram:/p/x.json", "label": "tangram_flashinfer_x",
                                       "target_ratio": 0.25}) == "tangram r0.25 (flashinfer)"

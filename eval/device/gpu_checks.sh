@@ -17,6 +17,7 @@
 #   bench_r1_triton / bench_r025_triton   the same with --tangram-extend-kernel triton (the default is flashinfer)
 #   grid_stock / grid_r025 / grid_r05 / grid_r1   one server start each: the short class (4k documents) at 8, 32 and
 #           128 concurrent sessions (TTFT vs load) and the mid class (16k) at 64, a ${GRID_SECONDS:-60} s window each
+#           (GRID_CONTEXTS overrides the classes); grid_stock_nooverlap: stock with --disable-overlap-schedule
 #   accuracy_qwen  eval/accuracy_server.py on Qwen2.5-Coder-0.5B (stock triton, tangram r0.5 / r0.25) on its CPU run's
 #           conversations, after qwen_join (the GGUF sent as .device-carry/qwen/partNN, one call each, in /tmp/qwen)
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
@@ -114,11 +115,13 @@ bench_run() {
 grid_run() {
   local name="bench_serving_grid_$1"; shift
   timeout 590 python3 eval/bench_serving.py --model-path "$DUMMY" --out "$OUT" --name "$name" --servers "$@" \
-    --contexts short=4096@8,32,128 mid=16384@64 --questions 5 --max-tokens 64 --ignore-eos --doc-text vocab \
-    --duration "${GRID_SECONDS:-60}" --replay-timeout "$(( ${GRID_SECONDS:-60} + 60 ))" \
+    --contexts ${GRID_CONTEXTS:-short=4096@8,32,128 mid=16384@64} --questions 5 --max-tokens 64 --ignore-eos \
+    --doc-text vocab --duration "${GRID_SECONDS:-60}" --replay-timeout "$(( ${GRID_SECONDS:-60} + 60 ))" \
     -- --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
 }
 stage_grid_stock() { grid_run stock stock:flashinfer; }
+# stock without the overlap scheduler (the tangram backend runs without it): what that constraint alone costs
+stage_grid_stock_nooverlap() { grid_run stock_nooverlap stock-nooverlap:flashinfer; }
 stage_grid_r025() { grid_run r025 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
 stage_grid_r05() { grid_run r05 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.5.json; }
 stage_grid_r1() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
