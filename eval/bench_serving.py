@@ -187,7 +187,8 @@ def _window(doc: dict) -> float | None:
 def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
     """(runs, workload args, {versions, device}) of several result files of this script, which must share
     one workload, replay window (:func:`_window`) and device (else ValueError); each run keeps the command
-    and date it was measured with."""
+    and date it was measured with. A later file's run of the same server label, context and concurrency
+    replaces an earlier one (a re-measurement, e.g. after a change), noting the date it supersedes."""
     docs = [json.loads(p.read_text()) for p in paths]
     first = docs[0]
     window_of = [_window(d) for d in docs]
@@ -204,7 +205,7 @@ def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
             diff.append("device")
         if diff:
             raise ValueError(f"{path} ran another workload than {paths[0]} ({', '.join(diff)} differ)")
-    runs = []
+    runs: dict[tuple, dict] = {}
     for p, d in zip(paths, docs):
         for r in d["data"]["runs"]:  # a merged file's runs keep the file they were measured in
             run = {"measured_by": {"file": p.name, "command": d["command"], "date": d["date"]}, **r}
@@ -213,8 +214,11 @@ def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
             log = p.parent / f"server_bench_{r['label']}_{r['context']}.log"  # beside its file, as they were named
             if "prefill_chunk_tok_s" not in run and log.exists():
                 run["prefill_chunk_tok_s"] = prefill_chunk_rates(log.read_text(errors="replace"))
-            runs.append(run)
-    return runs, dict(first["data"]["args"]), {"versions": first["versions"], "device": first["device"]}
+            key = (run["label"], run["context"], run["concurrency"])
+            if key in runs:
+                run["supersedes"] = runs[key]["measured_by"]["date"]
+            runs[key] = run
+    return list(runs.values()), dict(first["data"]["args"]), {"versions": first["versions"], "device": first["device"]}
 
 
 def load_names(runs: list[dict]) -> dict[tuple[str, int], str]:

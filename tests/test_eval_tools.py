@@ -45,20 +45,24 @@ def test_soak_log_figures():
 
 
 def _bench_file(path: Path, sessions: str, device: str = "NVIDIA H200", duration: str = "240",
-                cut: int = 0, wall_s: float = 240.0) -> Path:
+                cut: int = 0, wall_s: float = 240.0, date: str = "2026-12-02", label: str = "stock_flashinfer") -> Path:
     args = {k: "x" for k in bench_serving.WORKLOAD_ARGS} | {"sessions": sessions, "duration": duration,
                                                            "concurrency": "24"}
-    run = {"server": "stock:flashinfer", "label": "stock_flashinfer", "context": "long", "doc_tokens": 49152,
+    run = {"server": "stock:flashinfer", "label": label, "context": "long", "doc_tokens": 49152,
            "summary": {"output_tokens_per_s": 100.0, "ttft_s": None, "turns_cut": cut, "wall_s": wall_s}}
     path.write_text(json.dumps({"name": path.stem, "command": "c", "versions": {"sglang": "0.5.17"}, "device": device,
-                                "date": "2026-12-02", "data": {"runs": [run], "args": args}}))
+                                "date": date, "data": {"runs": [run], "args": args}}))
     return path
 
 
 def test_bench_results_merge_only_with_the_same_workload_and_device(tmp_path):
-    a, b = _bench_file(tmp_path / "a.json", "24"), _bench_file(tmp_path / "b.json", "24")
+    a, b = _bench_file(tmp_path / "a.json", "24"), _bench_file(tmp_path / "b.json", "24", label="other")
     runs, _, measured_on = bench_serving.merged_runs([a, b])
     assert len(runs) == 2 and runs[1]["measured_by"]["file"] == "b.json" and measured_on["device"] == "NVIDIA H200"
+    again = _bench_file(tmp_path / "a2.json", "24", date="2026-12-03")  # a re-measurement of a's run replaces it
+    runs = bench_serving.merged_runs([a, b, again])[0]
+    assert [(r["label"], r["measured_by"]["file"], r.get("supersedes")) for r in runs] == [
+        ("stock_flashinfer", "a2.json", "2026-12-02"), ("other", "b.json", None)]
     with pytest.raises(ValueError, match="sessions differ"):
         bench_serving.merged_runs([a, _bench_file(tmp_path / "c.json", "16")])
     with pytest.raises(ValueError, match="device differ"):
@@ -135,7 +139,7 @@ def test_bench_server_warms_up_then_replays_every_load_from_a_flushed_cache(tmp_
 def test_bench_results_merge_across_windows_only_when_the_window_cut_nothing(tmp_path):
     """A run that finished every turn inside a shorter window measured what a longer one would have."""
     cut = _bench_file(tmp_path / "a.json", "24", duration="240", cut=24, wall_s=240.0)
-    finished = _bench_file(tmp_path / "b.json", "24", duration="200", wall_s=100.0)
+    finished = _bench_file(tmp_path / "b.json", "24", duration="200", wall_s=100.0, label="other")
     assert len(bench_serving.merged_runs([cut, finished])[0]) == 2
     merged = tmp_path / "merged.json"  # a merged file merges again, each run keeping where it was measured
     doc = json.loads(cut.read_text())
