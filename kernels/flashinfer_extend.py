@@ -15,10 +15,13 @@ The prefix pass is **planned once per step** (plan() is mostly host time: ~10 ms
 pseudo-requests on the H200's host, ``bench_step_host --cprofile``). A layer maps its kv heads to other groups
 than the next layer, so lengths differ per layer: the plan is made for each pseudo-request's largest length
 over all layers, and each layer writes its own index pointers, last-page lengths and pseudo-page ids into the
-plan's buffers before run(). That is valid on FlashInfer's fa2 prefill kernel, which reads the lengths from
-those buffers at run time and clamps a kv chunk that starts past them (the plan stays correct while every
-run-time length is at most the planned one); the wrapper is built with ``backend="fa2"`` and CUDA-graph mode,
-FlashInfer's public form of caller-owned index buffers (one wrapper per step: its batch size is fixed).
+buffers run() reads before it runs. That is valid on FlashInfer's fa2 prefill kernel, which reads the lengths
+from those buffers at run time and clamps a kv chunk that starts past them (the plan stays correct while every
+run-time length is at most the planned one); the wrapper is built with ``backend="fa2"``. It is not in
+CUDA-graph mode (whose public caller-owned buffers would fit): there plan() sizes its split-KV scratch for the
+padded worst case, 0.5 GB at 128 question rows. Outside it, run() reads the device tensors plan() made from its
+arguments (``_paged_kv_*_buf``, FlashInfer 0.6.15's names, checked after every plan(): a FlashInfer that
+changes them fails loudly rather than reading stale indices).
 
 plan() writes its schedule into a page-locked host buffer and copies it to the GPU asynchronously, so a
 wrapper is not re-planned (nor a step's wrapper released) before the GPU has consumed that copy: an event is
@@ -134,21 +137,32 @@ class FlashInferExtend:
         slot lists ``(kv_indptr`` on the host, ``kv_indices`` on the device) of ``TangramKVManager.slot_lists``."""
         return FlashInferExtendStep(self, offsets, kv_indptr, kv_indices)
 
-    def prefix_wrapper(self, batch: int, indices_capacity: int) -> tuple[_Planned, dict[str, torch.Tensor]]:
-        """A fresh fa2 paged-prefill wrapper for ``batch`` pseudo-requests over index buffers this step owns
-        (CUDA-graph mode: plan() copies into them and run() reads them), after the previous step's plan()."""
+    def prefix_wrapper(self) -> _Planned:
+        """A fresh fa2 paged-prefill wrapper for one step, after the GPU consumed the previous step's plan()."""
         import flashinfer
 
         if self.prefix is not None:
             self.prefix.wait()
-        i32 = {"dtype": torch.int32, "device": self.device}
-        bufs = {"qo_indptr_buf": torch.empty(batch + 1, **i32), "paged_kv_indptr_buf": torch.empty(batch + 1, **i32),
-                "paged_kv_indices_buf": torch.empty(max(indices_capacity, 1), **i32),
-                "paged_kv_last_page_len_buf": torch.empty(batch, **i32)}
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=True,
-                                                                 backend="fa2", **bufs)
-        self.prefix = _Planned(wrapper, self.cuda)
-        return self.prefix, bufs
+        self.prefix = _Planned(flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2"),
+                               self.cuda)
+        return self.prefix
+
+
+def run_buffers(wrapper, indices: torch.Tensor, batch: int) -> dict[str, torch.Tensor]:
+    """The device index pointers, last-page lengths and indices a planned paged wrapper's run() reads: the
+    first two made by plan() from its host arguments, the last ``indices`` itself (a device tensor plan() keeps).
+    Raises if this FlashInfer keeps them elsewhere (the per-layer writes would not reach run())."""
+    bufs = {"indptr": getattr(wrapper, "_paged_kv_indptr_buf", None),
+            "last": getattr(wrapper, "_paged_kv_last_page_len_buf", None),
+            "indices": getattr(wrapper, "_paged_kv_indices_buf", None)}
+    ok = (all(isinstance(b, torch.Tensor) and b.device == indices.device for b in bufs.values())
+          and bufs["indices"].data_ptr() == indices.data_ptr() and bufs["indptr"].numel() == batch + 1
+          and bufs["last"].numel() == batch)
+    if not ok:
+        raise RuntimeError("this FlashInfer's paged prefill wrapper does not keep plan()'s index buffers as "
+                           "_paged_kv_{indptr,last_page_len,indices}_buf (FlashInfer 0.6.15 does): the extend "
+                           "prefix pass cannot reuse one plan across layers with it")
+    return bufs
 
 
 class FlashInferExtendStep:
@@ -173,30 +187,31 @@ class FlashInferExtendStep:
         self.planned_lens = lens[:, fi.rank_group].max(axis=1).reshape(-1)  # [B*Hkv]
         self.has_prefix = bool(self.planned_lens.any())
         self._scale: float | None = None
-        self._prefix: tuple[_Planned, dict[str, torch.Tensor]] | None = None
+        self._prefix: tuple[_Planned, dict[str, torch.Tensor]] | None = None  # its wrapper, run() buffers
 
     def _plan_prefix(self, gq: int, d: int, sm_scale: float, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
         indptr = np.zeros(len(self.planned_lens) + 1, dtype=np.int64)
         np.cumsum(self.planned_lens, out=indptr[1:])
-        planned, bufs = self.fi.prefix_wrapper(len(self.planned_lens), int(indptr[-1]))
+        planned = self.fi.prefix_wrapper()
         last = torch.from_numpy((self.planned_lens > 0).astype(np.int32))  # page size 1: an empty row has 0
-        # the indices are written per layer (attend); plan() needs only their lengths (indptr, last)
-        planned.plan(self.pseudo_qo, torch.from_numpy(indptr.astype(np.int32)), bufs["paged_kv_indices_buf"][:0],
-                     last, gq, 1, d, 1, causal=False, sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype,
+        # each layer writes its pseudo-pages here (attend); plan() reads only the lengths (indptr, last)
+        indices = torch.empty(int(indptr[-1]), dtype=torch.int32, device=self.kv_indices.device)
+        planned.plan(self.pseudo_qo, torch.from_numpy(indptr.astype(np.int32)), indices, last, gq, 1, d, 1,
+                     causal=False, sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype,
                      max_token_per_sequence=self.max_new)
-        self._prefix = planned, bufs
+        self._prefix = planned, run_buffers(planned.wrapper, indices, len(self.planned_lens))
 
     def _write_prefix_indices(self, layer: int) -> None:
-        """This layer's lengths and pseudo-pages into the plan's buffers (all at most the planned lengths)."""
+        """This layer's lengths and pseudo-pages into the buffers run() reads (all at most the planned lengths)."""
         fi, bufs = self.fi, self._prefix[1]
         indptr, pages = pseudo_token_indices(self.kv_indptr, self.kv_indices, fi.rank_group[layer],
                                              fi.rank_column[layer], batch=self.batch, page_size=fi.page_size,
                                              heads_per_group=fi.heads_per_group)
         host = torch.from_numpy(np.concatenate([indptr, (np.diff(indptr) > 0).astype(np.int32)]))
         ptr_last = host.to(self.kv_indices.device, non_blocking=True)
-        bufs["paged_kv_indptr_buf"].copy_(ptr_last[:len(indptr)])
-        bufs["paged_kv_last_page_len_buf"].copy_(ptr_last[len(indptr):])
-        bufs["paged_kv_indices_buf"][:pages.numel()].copy_(pages)
+        bufs["indptr"].copy_(ptr_last[:len(indptr)])
+        bufs["last"].copy_(ptr_last[len(indptr):])
+        bufs["indices"][:pages.numel()].copy_(pages)
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_buffer: torch.Tensor,
                v_buffer: torch.Tensor, sm_scale: float) -> torch.Tensor:

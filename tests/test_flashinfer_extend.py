@@ -98,40 +98,35 @@ def _seq_lens(indptr: torch.Tensor, last: torch.Tensor, page_size: int) -> torch
 
 
 class _Paged(_Ragged):
-    """Torch stand-in: FlashInfer's paged prefill in CUDA-graph mode (plan() copies into the caller's buffers,
-    run() reads them; kv_len from indptr and last_page_len). The fa2 kernel a plan is reused on clamps a kv
-    chunk past the run-time length, so a plan holds while each run-time length is at most the planned one:
-    checked at every run()."""
+    """Torch stand-in: FlashInfer 0.6.15's paged prefill outside CUDA-graph mode (plan() keeps device copies of
+    its index arguments as ``_paged_kv_*_buf``, run() reads them; kv_len from indptr and last_page_len). The
+    fa2 kernel a plan is reused on clamps a kv chunk past the run-time length, so a plan holds while each
+    run-time length is at most the planned one: checked at every run()."""
 
-    def __init__(self, workspace, layout, use_cuda_graph=False, qo_indptr_buf=None, paged_kv_indptr_buf=None,
-                 paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None, backend="auto"):
-        assert layout == "NHD" and use_cuda_graph and backend == "fa2"
-        self.qo_buf, self.ptr_buf, self.indices_buf, self.last_buf = (
-            qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf)
+    def __init__(self, workspace, layout, backend="auto"):
+        assert layout == "NHD" and backend == "fa2"
 
     def plan(self, qo_indptr, kv_indptr, indices, last, hq, hkv, d, page_size, *, causal, sm_scale, q_data_type,
              kv_data_type, max_token_per_sequence):
         assert all(x.device.type == "cpu" for x in (qo_indptr, kv_indptr, last))  # plan() reads them on the host
         _check_max_qo(qo_indptr, max_token_per_sequence)
-        assert len(qo_indptr) == len(self.qo_buf) and len(indices) <= len(self.indices_buf)  # FlashInfer's checks
-        self.qo_buf.copy_(qo_indptr)
-        self.ptr_buf.copy_(kv_indptr)
-        self.last_buf.copy_(last)
-        self.indices_buf[:len(indices)].copy_(indices)
+        dev = indices.device
+        self._qo_indptr_buf, self._paged_kv_indptr_buf = qo_indptr.to(dev), kv_indptr.to(dev)
+        self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf = indices.to(dev), last.to(dev)
         self.planned = _seq_lens(kv_indptr, last, page_size)
         self.hq, self.hkv, self.ps, self.causal, self.scale = hq, hkv, page_size, causal, sm_scale
 
     def run(self, q, kv, return_lse=False):
         k_pages, v_pages = kv
-        ptr, last = self.ptr_buf.cpu(), self.last_buf.cpu()
+        ptr, last = self._paged_kv_indptr_buf.cpu(), self._paged_kv_last_page_len_buf.cpu()
         lens = _seq_lens(ptr, last, self.ps)
         assert bool((lens <= self.planned).all()), "a run-time kv length exceeds the one the plan was made for"
         out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=q.device)
         for r in range(len(ptr) - 1):
-            pages = self.indices_buf[int(ptr[r]):int(ptr[r + 1])].long()
+            pages = self._paged_kv_indices_buf[int(ptr[r]):int(ptr[r + 1])].long()
             k = k_pages[pages].reshape(-1, self.hkv, k_pages.shape[-1])[:int(lens[r]), 0]
             v = v_pages[pages].reshape(-1, self.hkv, v_pages.shape[-1])[:int(lens[r]), 0]
-            qs = slice(int(self.qo_buf[r]), int(self.qo_buf[r + 1]))
+            qs = slice(int(self._qo_indptr_buf[r]), int(self._qo_indptr_buf[r + 1]))
             out[qs], lse[qs] = _attend(q[qs], k, v, self.causal, self.scale)
         return (out, lse) if return_lse else out
 
@@ -214,6 +209,15 @@ def test_a_plan_for_one_layers_lengths_does_not_cover_the_others(monkeypatch):
                                                                                         [17, 1024, 5, 64]])])
 def test_flashinfer_extend_matches_reference(gqa, hkv, page, n_new, lengths):
     _run_case(gqa, hkv, page, n_new, lengths, "cuda", layers=4)
+
+
+def test_a_flashinfer_keeping_other_buffers_is_refused(monkeypatch):
+    """The per-layer writes must reach what run() reads: a wrapper without FlashInfer 0.6.15's buffers fails."""
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin())
+    plan = _Paged.plan
+    monkeypatch.setattr(_Paged, "plan", lambda self, *a, **k: (plan(self, *a, **k), delattr(self, "_paged_kv_indptr_buf")))
+    with pytest.raises(RuntimeError, match="cannot reuse one plan across layers"):
+        _run_case(4, 4, 16, [5, 1, 20], [[40, 7], [3, 0], [0, 16]], "cpu")
 
 
 def test_no_prefix_step_is_the_chunk_pass(monkeypatch):
