@@ -158,7 +158,7 @@ def _run_case(gqa, hkv, page, n_new, lengths, dev, layers=2, planned_lens=None):
     k, v, indices = k.to(dev, dtype), v.to(dev, dtype), indices.to(dev)
     offsets = [0, *itertools.accumulate(n_new)]
     hg, hc, order = layer_maps(hkv, G, hp, layers)
-    fi = FlashInferExtend(dev, hg, hc, order, page_size=page, heads_per_group=hp, workspace_bytes=1 << 20)
+    fi = FlashInferExtend(dev, hg, hc, order, page_size=page, heads_per_group=hp, workspace_bytes=32 << 20)
     step = fi.step(offsets, indptr.numpy(), indices)
     if planned_lens is not None:
         step.planned_lens = planned_lens(step)
