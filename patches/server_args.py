@@ -59,8 +59,8 @@ def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
                        help="Budget profile JSON made by `tangram-sgl profile` (or `tangram-sgl synth`).")
     group.add_argument("--tangram-extend-kernel", choices=EXTEND_KERNELS, default=None,
                        help="Prefill attention of the tangram backend: 'flashinfer' (default: FlashInfer's chunk + "
-                            "per-(request, kv head) prefix passes, planned per layer) or 'triton' (our Triton extend "
-                            "kernel; 1.1-2.9x slower on the H200, eval/results/bench_extend.json).")
+                            "per-(request, kv head) prefix passes, planned once per step) or 'triton' (our Triton "
+                            "extend kernel; 1.1-2.9x slower on the H200, eval/results/bench_extend.json).")
 
 
 def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profile_path: str | None,

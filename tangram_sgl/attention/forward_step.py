@@ -13,7 +13,7 @@ Per layer (:meth:`ForwardStep.attend`):
   when the arena cannot hold them, host-built CSR lists (logged).
 - **extend or mixed batch**: the extend kernel attends each row's new tokens over [its committed slot
   lists ; its own staging K/V, causal] (the Triton/torch kernel, or, with ``extend_kernel="flashinfer"``,
-  FlashInfer's chunk + per-layer-planned prefix passes: ``kernels/flashinfer_extend.py``); then each
+  FlashInfer's chunk + prefix passes, each planned once per step: ``kernels/flashinfer_extend.py``); then each
   extend row's segment is scored (the profile's scorer on the segment's observation window) and each head
   keeps its protected and top-scored tokens in the reserved slots, all compressed rows in one batch per
   layer (``compressed_segment_writes``); rows every group keeps whole (short turns, budget 1.0) are written
