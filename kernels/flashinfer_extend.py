@@ -24,8 +24,8 @@ arguments (``_paged_kv_*_buf``, FlashInfer 0.6.15's names, checked after every p
 changes them fails loudly rather than reading stale indices).
 
 plan() writes its schedule into a page-locked host buffer and copies it to the GPU asynchronously, so a
-wrapper is not re-planned (nor a step's wrapper released) before the GPU has consumed that copy: an event is
-recorded after each plan() and waited for before the next. ``pseudo_token_indices`` (torch, device-side,
+wrapper is not re-planned before the GPU has consumed that copy: an event is recorded after each plan() and
+waited for before the next (``_Planned``). ``pseudo_token_indices`` (torch, device-side,
 CPU-testable) builds the prefix pass's pseudo-page indices. flashinfer is imported lazily (GPU machines only).
 """
 
@@ -87,13 +87,9 @@ class _Planned:
         self.wrapper, self.cuda = wrapper, cuda
         self.event: torch.cuda.Event | None = None
 
-    def wait(self) -> None:
-        """Until the GPU has consumed the last plan()'s schedule (its page-locked source may be reused after)."""
+    def plan(self, *args, **kwargs) -> None:
         if self.event is not None:
             self.event.synchronize()
-
-    def plan(self, *args, **kwargs) -> None:
-        self.wait()
         self.wrapper.plan(*args, **kwargs)
         if self.cuda:
             self.event = torch.cuda.Event()
@@ -126,7 +122,8 @@ class FlashInferExtend:
         self.page_size, self.heads_per_group = page_size, heads_per_group
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         self.chunk = _Planned(flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD"), self.cuda)
-        self.prefix: _Planned | None = None  # the latest step's prefix wrapper, kept until its plan is consumed
+        self.prefix = _Planned(flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2"),
+                               self.cuda)
 
     @property
     def num_kv_heads(self) -> int:
@@ -136,16 +133,6 @@ class FlashInferExtend:
         """Plans of one step whose rows have new tokens ``[offsets[r], offsets[r+1])`` over the committed
         slot lists ``(kv_indptr`` on the host, ``kv_indices`` on the device) of ``TangramKVManager.slot_lists``."""
         return FlashInferExtendStep(self, offsets, kv_indptr, kv_indices)
-
-    def prefix_wrapper(self) -> _Planned:
-        """A fresh fa2 paged-prefill wrapper for one step, after the GPU consumed the previous step's plan()."""
-        import flashinfer
-
-        if self.prefix is not None:
-            self.prefix.wait()
-        self.prefix = _Planned(flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2"),
-                               self.cuda)
-        return self.prefix
 
 
 def run_buffers(wrapper, indices: torch.Tensor, batch: int) -> dict[str, torch.Tensor]:
@@ -179,31 +166,31 @@ class FlashInferExtendStep:
         dev = kv_indices.device
         fwd, inv, pseudo_qo = pseudo_request_order(offsets, self.hkv)
         self.pseudo_qo = torch.from_numpy(pseudo_qo)
-        self.fwd, self.inv = (torch.from_numpy(x).to(dev, non_blocking=True) for x in (fwd, inv))
-        self.fwd_rank = self.fwd % self.hkv  # the rank each pseudo row is taken from (identity order)
-        self.fwd_base = self.fwd - self.fwd_rank
+        fwd, self.inv = (torch.from_numpy(x).to(dev, non_blocking=True) for x in (fwd, inv))
+        self.fwd_rank = fwd % self.hkv  # the rank each pseudo row is taken from (identity order)
+        self.fwd_base = fwd - self.fwd_rank
         lens = np.diff(self.kv_indptr).reshape(self.batch, -1)  # [B, G]
         # each pseudo-request (r, k)'s largest prefix length over the layers: what the one plan covers
         self.planned_lens = lens[:, fi.rank_group].max(axis=1).reshape(-1)  # [B*Hkv]
         self.has_prefix = bool(self.planned_lens.any())
         self._scale: float | None = None
-        self._prefix: tuple[_Planned, dict[str, torch.Tensor]] | None = None  # its wrapper, run() buffers
+        self._prefix_bufs: dict[str, torch.Tensor] | None = None  # what the prefix run() reads, once planned
 
     def _plan_prefix(self, gq: int, d: int, sm_scale: float, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
         indptr = np.zeros(len(self.planned_lens) + 1, dtype=np.int64)
         np.cumsum(self.planned_lens, out=indptr[1:])
-        planned = self.fi.prefix_wrapper()
+        planned = self.fi.prefix
         last = torch.from_numpy((self.planned_lens > 0).astype(np.int32))  # page size 1: an empty row has 0
         # each layer writes its pseudo-pages here (attend); plan() reads only the lengths (indptr, last)
         indices = torch.empty(int(indptr[-1]), dtype=torch.int32, device=self.kv_indices.device)
         planned.plan(self.pseudo_qo, torch.from_numpy(indptr.astype(np.int32)), indices, last, gq, 1, d, 1,
                      causal=False, sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype,
                      max_token_per_sequence=self.max_new)
-        self._prefix = planned, run_buffers(planned.wrapper, indices, len(self.planned_lens))
+        self._prefix_bufs = run_buffers(planned.wrapper, indices, len(self.planned_lens))
 
     def _write_prefix_indices(self, layer: int) -> None:
         """This layer's lengths and pseudo-pages into the buffers run() reads (all at most the planned lengths)."""
-        fi, bufs = self.fi, self._prefix[1]
+        fi, bufs = self.fi, self._prefix_bufs
         indptr, pages = pseudo_token_indices(self.kv_indptr, self.kv_indices, fi.rank_group[layer],
                                              fi.rank_column[layer], batch=self.batch, page_size=fi.page_size,
                                              heads_per_group=fi.heads_per_group)
@@ -235,7 +222,7 @@ class FlashInferExtendStep:
         fwd = self.fwd_base + self.fi.head_order[layer][self.fwd_rank]  # pseudo row (r, k, t) <- kv head order[k]
         inv = self.inv.view(t, self.hkv)[:, self.fi.head_rank[layer]].reshape(-1)
         view = (k_buffer.view(-1, 1, 1, d), v_buffer.view(-1, 1, 1, d))
-        o2, s2 = self._prefix[0].wrapper.run(q.reshape(t * self.hkv, gq, d)[fwd], view, return_lse=True)
+        o2, s2 = self.fi.prefix.wrapper.run(q.reshape(t * self.hkv, gq, d)[fwd], view, return_lse=True)
         o2 = o2[inv].reshape(t, hq, d)
         s2 = s2[inv].reshape(t, hq)
         return flashinfer.merge_state(o1, s1, o2, s2)[0]
