@@ -15,13 +15,17 @@ The prefix pass is **planned once per step** (plan() is mostly host time: ~10 ms
 pseudo-requests on the H200's host, ``bench_step_host --cprofile``). A layer maps its kv heads to other groups
 than the next layer, so lengths differ per layer: the plan is made for each pseudo-request's largest length
 over all layers, and each layer writes its own index pointers, last-page lengths and pseudo-page ids into the
-buffers run() reads before it runs. That is valid on FlashInfer's fa2 prefill kernel, which reads the lengths
-from those buffers at run time and clamps a kv chunk that starts past them (the plan stays correct while every
-run-time length is at most the planned one); the wrapper is built with ``backend="fa2"``. It is not in
-CUDA-graph mode (whose public caller-owned buffers would fit): there plan() sizes its split-KV scratch for the
-padded worst case, 0.5 GB at 128 question rows. Outside it, run() reads the device tensors plan() made from its
-arguments (``_paged_kv_*_buf``, FlashInfer 0.6.15's names, checked after every plan(): a FlashInfer that
-changes them fails loudly rather than reading stale indices).
+buffers run() reads before it runs. That needs a plan whose work does not depend on the kv lengths: FlashInfer's
+own split-KV does (the fa2 kernel lays out a request's partial outputs by the chunk count of its *run-time*
+length while the merge follows the planned one, so a shorter layer scrambles them; seen on the H200), so the
+plan disables it (``disable_split_kv``) and the fa2 kernel reads each length at run time. The split is ours
+instead, planned once per step: each pseudo-request's prefix is cut into ``chunks`` pieces of ``chunk`` slots
+(``prefix_chunking``: chunks enough to fill the GPU's CTA slots when a few long prefixes would otherwise each
+be streamed by one CTA), each piece a pseudo-request of its own (a piece past a layer's length is empty), merged
+by log-sum-exp with the chunk pass. The wrapper is built with ``backend="fa2"`` and is not in CUDA-graph mode
+(whose plan() sizes split-KV scratch for the padded worst case, 0.5 GB at 128 question rows); run() reads the
+device tensors plan() made from its arguments (``_paged_kv_*_buf``, FlashInfer 0.6.15's names, checked after
+every plan(): a FlashInfer that changes them fails loudly rather than reading stale indices).
 
 plan() writes its schedule into a page-locked host buffer and copies it to the GPU asynchronously, so a
 wrapper is not re-planned before the GPU has consumed that copy: an event is recorded after each plan() and
@@ -39,25 +43,30 @@ from tangram_sgl.kernels.pieces import piece_positions
 
 
 def pseudo_token_indices(kv_indptr: np.ndarray, kv_indices: torch.Tensor, head_group: Sequence[int],
-                         head_column: Sequence[int], *, batch: int, page_size: int,
-                         heads_per_group: int) -> tuple[np.ndarray, torch.Tensor]:
-    """(host int32 indptr ``[B*Hkv+1]``, device int32 pseudo-page ids) of the prefix pass for one layer.
+                         head_column: Sequence[int], *, batch: int, page_size: int, heads_per_group: int,
+                         chunk: int = 0, chunks: int = 1) -> tuple[np.ndarray, torch.Tensor]:
+    """(host int32 indptr ``[B*Hkv*chunks+1]``, device int32 pseudo-page ids) of the prefix pass for one layer.
 
-    Row ``r*Hkv + k`` lists the slots of (request r, group ``head_group[k]``) as pseudo-pages of column
-    ``head_column[k]`` of a page-size-1 view of the pool (see the module docstring). ``kv_indptr``: the step's
-    host CSR ``[B*G+1]`` over ``kv_indices`` (device). Output sizes come from the host: no device->host sync.
+    Row ``(r*Hkv + k)*chunks + j`` lists slots ``[j*chunk, (j+1)*chunk)`` (all of them when ``chunks`` is 1)
+    of (request r, group ``head_group[k]``) as pseudo-pages of column ``head_column[k]`` of a page-size-1 view
+    of the pool (see the module docstring). ``kv_indptr``: the step's host CSR ``[B*G+1]`` over ``kv_indices``
+    (device). Output sizes come from the host: no device->host sync.
     """
     num_groups = (len(kv_indptr) - 1) // batch
     seg = (np.arange(batch)[:, None] * num_groups + np.asarray(head_group)[None, :]).reshape(-1)  # [B*Hkv]
     src = kv_indptr[seg].astype(np.int64)
     lens = kv_indptr[seg + 1].astype(np.int64) - src
-    indptr = np.zeros(len(seg) + 1, dtype=np.int64)
+    if chunks > 1:  # piece j of each list
+        start = np.arange(chunks, dtype=np.int64) * chunk
+        src = (src[:, None] + start).reshape(-1)
+        lens = np.clip(lens[:, None] - start, 0, chunk).reshape(-1)
+    indptr = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=indptr[1:])
     total = int(indptr[-1])
     dev = kv_indices.device
     if total == 0:
         return indptr.astype(np.int32), torch.empty(0, dtype=torch.int32, device=dev)
-    cols = np.tile(np.asarray(head_column, dtype=np.int64), batch)
+    cols = np.repeat(np.tile(np.asarray(head_column, dtype=np.int64), batch), chunks)
     shift, count, col = torch.from_numpy(np.stack([src - indptr[:-1], lens, cols])).to(dev, non_blocking=True)
     slot = kv_indices.long()[piece_positions(shift, count, total)]  # shift: source - destination
     column = torch.repeat_interleave(col, count, output_size=total)
@@ -65,19 +74,36 @@ def pseudo_token_indices(kv_indptr: np.ndarray, kv_indices: torch.Tensor, head_g
     return indptr.astype(np.int32), pseudo.to(torch.int32)
 
 
-def pseudo_request_order(offsets: Sequence[int], num_kv_heads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For rows with new tokens ``[offsets[r], offsets[r+1])``: (gather ``[T*Hkv]`` taking the query-head
-    blocks of ``q.view(T*Hkv, G_q, D)`` into pseudo order (request, kv head, token), its inverse, the pseudo
-    requests' qo indptr ``[B*Hkv+1]``)."""
+def pseudo_request_order(offsets: Sequence[int], num_kv_heads: int,
+                         chunks: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For rows with new tokens ``[offsets[r], offsets[r+1])``: (gather ``[T*Hkv*chunks]`` taking the
+    query-head blocks of ``q.view(T*Hkv, G_q, D)`` into pseudo order (request, kv head, chunk, token), its
+    inverse ``[T*Hkv, chunks]`` (block ``t*Hkv + h``'s pseudo row in each chunk), the pseudo-requests' qo
+    indptr ``[B*Hkv*chunks+1]``)."""
     off = np.asarray(offsets, dtype=np.int64)
-    rows = np.repeat(np.diff(off), num_kv_heads)  # tokens of each pseudo-request (r, h)
+    per = num_kv_heads * chunks
+    rows = np.repeat(np.diff(off), per)  # tokens of each pseudo-request (r, h, j)
     qo = np.concatenate([[0], np.cumsum(rows)])
     pid = np.repeat(np.arange(len(rows)), rows)  # pseudo-request of each entry
-    r, h = pid // num_kv_heads, pid % num_kv_heads
+    r, h, j = pid // per, pid // chunks % num_kv_heads, pid % chunks
     fwd = (off[r] + np.arange(len(pid)) - qo[pid]) * num_kv_heads + h
-    inv = np.empty_like(fwd)
-    inv[fwd] = np.arange(len(fwd))
+    inv = np.empty((len(fwd) // chunks, chunks), dtype=np.int64)
+    inv[fwd, j] = np.arange(len(fwd))
     return fwd, inv, qo.astype(np.int32)
+
+
+def prefix_chunking(planned_lens: np.ndarray, new_tokens: np.ndarray, gq: int, *, cta_slots: int,
+                    min_chunk: int) -> tuple[int, int]:
+    """(chunk, chunks): how the prefix pass cuts every pseudo-request's slot list (``chunks`` pieces of at most
+    ``chunk`` slots). ``planned_lens``/``new_tokens``: each pseudo-request's planned prefix length and query
+    rows. The whole step's work (FlashInfer fa2's 128 packed query rows per CTA, times prefix slots) spread
+    over ``cta_slots`` CTAs gives the chunk, at least ``min_chunk``: one piece per list unless a few long
+    prefixes would leave most of the GPU idle while single CTAs stream them."""
+    longest = int(planned_lens.max(initial=0))
+    tiles = -(-np.asarray(new_tokens, dtype=np.int64) * gq // 128)
+    per_cta = -(-int((tiles * planned_lens).sum()) // max(1, cta_slots))
+    chunks = max(1, -(-longest // max(min_chunk, per_cta)))
+    return -(-longest // chunks), chunks
 
 
 class _Planned:
@@ -99,11 +125,12 @@ class _Planned:
 class FlashInferExtend:
     """FlashInfer wrappers of the two extend passes for one model's head maps (one shared float workspace;
     see the module docstring). ``head_group`` / ``head_column`` / ``head_order``: int ``[L, Hkv]``, each
-    layer's kv head -> group, -> column, and its kv heads by descending group budget."""
+    layer's kv head -> group, -> column, and its kv heads by descending group budget. ``cta_slots`` (default:
+    two per SM of a CUDA device, FlashInfer's own count) and ``min_chunk`` drive ``prefix_chunking``."""
 
     def __init__(self, device: torch.device | str, head_group: np.ndarray, head_column: np.ndarray,
                  head_order: np.ndarray, *, page_size: int, heads_per_group: int,
-                 workspace_bytes: int = 256 << 20) -> None:
+                 workspace_bytes: int = 256 << 20, cta_slots: int | None = None, min_chunk: int = 512) -> None:
         try:
             import flashinfer
         except ImportError as e:
@@ -120,6 +147,9 @@ class FlashInferExtend:
         self.head_order = torch.from_numpy(order).to(self.device)
         self.head_rank = torch.from_numpy(np.argsort(order, axis=1)).to(self.device)
         self.page_size, self.heads_per_group = page_size, heads_per_group
+        if cta_slots is None:
+            cta_slots = 2 * torch.cuda.get_device_properties(self.device).multi_processor_count if self.cuda else 1
+        self.cta_slots, self.min_chunk = cta_slots, min_chunk
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         self.chunk = _Planned(flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD"), self.cuda)
         self.prefix = _Planned(flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2"),
@@ -159,41 +189,47 @@ class FlashInferExtendStep:
     def __init__(self, fi: FlashInferExtend, offsets: Sequence[int], kv_indptr: np.ndarray,
                  kv_indices: torch.Tensor) -> None:
         self.fi, self.kv_indptr, self.kv_indices = fi, np.asarray(kv_indptr, dtype=np.int64), kv_indices
+        self.offsets = np.asarray(offsets, dtype=np.int64)
         self.batch, self.hkv = len(offsets) - 1, fi.num_kv_heads
         self.qo_indptr = torch.tensor(list(offsets), dtype=torch.int32)
         # the paged plan() would find it with Python's max() over a tensor, element by element: given, it skips that
-        self.max_new = int(np.diff(np.asarray(offsets)).max()) if len(offsets) > 1 else 0
-        dev = kv_indices.device
-        fwd, inv, pseudo_qo = pseudo_request_order(offsets, self.hkv)
-        self.pseudo_qo = torch.from_numpy(pseudo_qo)
-        fwd, self.inv = (torch.from_numpy(x).to(dev, non_blocking=True) for x in (fwd, inv))
-        self.fwd_rank = fwd % self.hkv  # the rank each pseudo row is taken from (identity order)
-        self.fwd_base = fwd - self.fwd_rank
+        self.max_new = int(np.diff(self.offsets).max()) if len(offsets) > 1 else 0
         lens = np.diff(self.kv_indptr).reshape(self.batch, -1)  # [B, G]
         # each pseudo-request (r, k)'s largest prefix length over the layers: what the one plan covers
         self.planned_lens = lens[:, fi.rank_group].max(axis=1).reshape(-1)  # [B*Hkv]
         self.has_prefix = bool(self.planned_lens.any())
+        self.chunk, self.chunks = 0, 1  # the prefix pass's pieces per list (prefix_chunking), once planned
         self._scale: float | None = None
         self._prefix_bufs: dict[str, torch.Tensor] | None = None  # what the prefix run() reads, once planned
 
     def _plan_prefix(self, gq: int, d: int, sm_scale: float, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
-        indptr = np.zeros(len(self.planned_lens) + 1, dtype=np.int64)
-        np.cumsum(self.planned_lens, out=indptr[1:])
-        planned = self.fi.prefix
-        last = torch.from_numpy((self.planned_lens > 0).astype(np.int32))  # page size 1: an empty row has 0
+        fi, dev = self.fi, self.kv_indices.device
+        new_tokens = np.repeat(np.diff(self.offsets), self.hkv)
+        self.chunk, self.chunks = prefix_chunking(self.planned_lens, new_tokens, gq, cta_slots=fi.cta_slots,
+                                                  min_chunk=fi.min_chunk)
+        fwd, inv, pseudo_qo = pseudo_request_order(self.offsets, self.hkv, self.chunks)
+        fwd, self.inv = (torch.from_numpy(x).to(dev, non_blocking=True) for x in (fwd, inv))
+        self.fwd_rank = fwd % self.hkv  # the rank each pseudo row is taken from (identity order)
+        self.fwd_base = fwd - self.fwd_rank
+        start = np.arange(self.chunks, dtype=np.int64) * self.chunk
+        lens = np.clip(self.planned_lens[:, None] - start, 0, max(self.chunk, 1)).reshape(-1)  # [B*Hkv*chunks]
+        indptr = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=indptr[1:])
+        last = torch.from_numpy((lens > 0).astype(np.int32))  # page size 1: an empty row has 0
         # each layer writes its pseudo-pages here (attend); plan() reads only the lengths (indptr, last)
-        indices = torch.empty(int(indptr[-1]), dtype=torch.int32, device=self.kv_indices.device)
-        planned.plan(self.pseudo_qo, torch.from_numpy(indptr.astype(np.int32)), indices, last, gq, 1, d, 1,
-                     causal=False, sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype,
-                     max_token_per_sequence=self.max_new)
-        self._prefix_bufs = run_buffers(planned.wrapper, indices, len(self.planned_lens))
+        indices = torch.empty(int(indptr[-1]), dtype=torch.int32, device=dev)
+        fi.prefix.plan(torch.from_numpy(pseudo_qo), torch.from_numpy(indptr.astype(np.int32)), indices, last, gq, 1,
+                       d, 1, causal=False, sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype,
+                       max_token_per_sequence=self.max_new, disable_split_kv=True)
+        self._prefix_bufs = run_buffers(fi.prefix.wrapper, indices, len(lens))
 
     def _write_prefix_indices(self, layer: int) -> None:
         """This layer's lengths and pseudo-pages into the buffers run() reads (all at most the planned lengths)."""
         fi, bufs = self.fi, self._prefix_bufs
         indptr, pages = pseudo_token_indices(self.kv_indptr, self.kv_indices, fi.rank_group[layer],
                                              fi.rank_column[layer], batch=self.batch, page_size=fi.page_size,
-                                             heads_per_group=fi.heads_per_group)
+                                             heads_per_group=fi.heads_per_group, chunk=self.chunk,
+                                             chunks=self.chunks)
         host = torch.from_numpy(np.concatenate([indptr, (np.diff(indptr) > 0).astype(np.int32)]))
         ptr_last = host.to(self.kv_indices.device, non_blocking=True)
         bufs["indptr"].copy_(ptr_last[:len(indptr)])
@@ -219,10 +255,14 @@ class FlashInferExtendStep:
             return chunk.run(q, k_new, v_new)
         o1, s1 = chunk.run(q, k_new, v_new, return_lse=True)
         self._write_prefix_indices(layer)
-        fwd = self.fwd_base + self.fi.head_order[layer][self.fwd_rank]  # pseudo row (r, k, t) <- kv head order[k]
-        inv = self.inv.view(t, self.hkv)[:, self.fi.head_rank[layer]].reshape(-1)
+        fwd = self.fwd_base + self.fi.head_order[layer][self.fwd_rank]  # pseudo row (r, k, j, t) <- kv head order[k]
+        inv = self.inv.view(t, self.hkv, self.chunks)[:, self.fi.head_rank[layer]].reshape(t * self.hkv, self.chunks)
         view = (k_buffer.view(-1, 1, 1, d), v_buffer.view(-1, 1, 1, d))
         o2, s2 = self.fi.prefix.wrapper.run(q.reshape(t * self.hkv, gq, d)[fwd], view, return_lse=True)
-        o2 = o2[inv].reshape(t, hq, d)
-        s2 = s2[inv].reshape(t, hq)
-        return flashinfer.merge_state(o1, s1, o2, s2)[0]
+        if self.chunks == 1:
+            return flashinfer.merge_state(o1, s1, o2[inv[:, 0]].reshape(t, hq, d), s2[inv[:, 0]].reshape(t, hq))[0]
+        # states per (token, kv head): the chunk pass first (never empty, so no merge starts from -inf), then
+        # each piece of the prefix (a piece past this layer's length is empty: lse -inf, weight 0)
+        v = torch.cat([o1.view(t * self.hkv, 1, gq, d), o2[inv]], dim=1)
+        s = torch.cat([s1.view(t * self.hkv, 1, gq), s2[inv]], dim=1)
+        return flashinfer.merge_states(v, s)[0].view(t, hq, d)

@@ -17,7 +17,12 @@ import pytest
 import torch
 from tangram_sgl.kernels.decode import gather_head_kv
 from tangram_sgl.kernels.extend import extend_attention_torch
-from tangram_sgl.kernels.flashinfer_extend import FlashInferExtend, pseudo_request_order, pseudo_token_indices
+from tangram_sgl.kernels.flashinfer_extend import (
+    FlashInferExtend,
+    prefix_chunking,
+    pseudo_request_order,
+    pseudo_token_indices,
+)
 from test_kernels import layer_map, make_pool
 
 # (gqa, hkv, page, new tokens per row, prefix lengths[r][g]): partial pages (two segments per list), empty
@@ -46,13 +51,37 @@ def test_pseudo_token_indices_address_each_heads_list():
     empty = pseudo_token_indices(np.zeros(5, dtype=np.int32), indices[:0], hg.tolist(), hc.tolist(), batch=2,
                                  page_size=page, heads_per_group=hp)
     assert empty[0].tolist() == [0] * 9 and empty[1].numel() == 0
+    # in pieces of 16 slots: each list's pieces, in order, are the list; a piece past its end is empty
+    ptr3, pseudo3 = pseudo_token_indices(indptr.numpy(), indices, hg.tolist(), hc.tolist(), batch=2,
+                                         page_size=page, heads_per_group=hp, chunk=16, chunks=3)
+    for row in range(2 * hkv):
+        pieces = [pseudo3[ptr3[row * 3 + j]:ptr3[row * 3 + j + 1]] for j in range(3)]
+        assert all(p.numel() <= 16 for p in pieces)
+        assert torch.equal(torch.cat(pieces), pseudo[row_ptr[row]:row_ptr[row + 1]])
+    assert np.diff(ptr3).reshape(2 * hkv, 3)[0].tolist() == [16, 16, 8]  # r0, head 0: group 0's 40 slots
 
 
-def test_pseudo_request_order_is_request_head_token():
+def test_pseudo_request_order_is_request_head_chunk_token():
     fwd, inv, qo = pseudo_request_order([0, 2, 5], 2)
     assert fwd.tolist() == [0, 2, 1, 3, 4, 6, 8, 5, 7, 9]  # (r0,h0: t0 t1) (r0,h1) (r1,h0: t2 t3 t4) (r1,h1)
     assert qo.tolist() == [0, 2, 4, 7, 10]
-    assert np.array_equal(fwd[inv], np.arange(10))
+    assert np.array_equal(fwd[inv[:, 0]], np.arange(10))
+    fwd, inv, qo = pseudo_request_order([0, 2, 5], 2, chunks=2)
+    assert fwd.tolist()[:8] == [0, 2, 0, 2, 1, 3, 1, 3]  # (r0,h0,j0) (r0,h0,j1) (r0,h1,j0) (r0,h1,j1)
+    assert qo.tolist() == [0, 2, 4, 6, 8, 11, 14, 17, 20]
+    assert inv.shape == (10, 2) and all(np.array_equal(fwd[inv[:, j]], np.arange(10)) for j in range(2))
+
+
+def test_prefix_chunking_spreads_few_long_prefixes_over_the_gpu():
+    gq, slots = 4, 264
+    # 128 questions of 32 tokens over 4k prefixes (8 kv heads): 1024 CTAs already, one piece per list
+    assert prefix_chunking(np.full(1024, 4096), np.full(1024, 32), gq, cta_slots=slots, min_chunk=512) == (4096, 1)
+    # one question over a 64k prefix: 8 CTAs would each stream 64k slots; cut so all slots work
+    chunk, chunks = prefix_chunking(np.full(8, 65536), np.full(8, 32), gq, cta_slots=slots, min_chunk=512)
+    assert chunks * chunk >= 65536 and 8 * chunks >= slots // 2 and chunk >= 512
+    # never below min_chunk, and one piece when nothing is long
+    assert prefix_chunking(np.array([600, 0]), np.array([4, 4]), gq, cta_slots=slots, min_chunk=512) == (300, 2)
+    assert prefix_chunking(np.array([500, 3]), np.array([4, 4]), gq, cta_slots=slots, min_chunk=512) == (500, 1)
 
 
 def _attend(q, k, v, causal, scale):
@@ -99,21 +128,22 @@ def _seq_lens(indptr: torch.Tensor, last: torch.Tensor, page_size: int) -> torch
 
 class _Paged(_Ragged):
     """Torch stand-in: FlashInfer 0.6.15's paged prefill outside CUDA-graph mode (plan() keeps device copies of
-    its index arguments as ``_paged_kv_*_buf``, run() reads them; kv_len from indptr and last_page_len). The
-    fa2 kernel a plan is reused on clamps a kv chunk past the run-time length, so a plan holds while each
-    run-time length is at most the planned one: checked at every run()."""
+    its index arguments as ``_paged_kv_*_buf``, run() reads them; kv_len from indptr and last_page_len). The fa2
+    kernel reads each kv length at run time; with split-KV it lays partial outputs out by the run-time length's
+    chunk count and merges by the planned one, so a plan holds for other lengths only with split-KV disabled
+    (then while each is at most the planned one, the indices' room): checked at every run()."""
 
     def __init__(self, workspace, layout, backend="auto"):
         assert layout == "NHD" and backend == "fa2"
 
     def plan(self, qo_indptr, kv_indptr, indices, last, hq, hkv, d, page_size, *, causal, sm_scale, q_data_type,
-             kv_data_type, max_token_per_sequence):
+             kv_data_type, max_token_per_sequence, disable_split_kv=False):
         assert all(x.device.type == "cpu" for x in (qo_indptr, kv_indptr, last))  # plan() reads them on the host
         _check_max_qo(qo_indptr, max_token_per_sequence)
         dev = indices.device
         self._qo_indptr_buf, self._paged_kv_indptr_buf = qo_indptr.to(dev), kv_indptr.to(dev)
         self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf = indices.to(dev), last.to(dev)
-        self.planned = _seq_lens(kv_indptr, last, page_size)
+        self.planned, self.split = _seq_lens(kv_indptr, last, page_size), not disable_split_kv
         self.hq, self.hkv, self.ps, self.causal, self.scale = hq, hkv, page_size, causal, sm_scale
 
     def run(self, q, kv, return_lse=False):
@@ -121,6 +151,7 @@ class _Paged(_Ragged):
         ptr, last = self._paged_kv_indptr_buf.cpu(), self._paged_kv_last_page_len_buf.cpu()
         lens = _seq_lens(ptr, last, self.ps)
         assert bool((lens <= self.planned).all()), "a run-time kv length exceeds the one the plan was made for"
+        assert not self.split or torch.equal(lens, self.planned), "split-KV plan run on other kv lengths"
         out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device=q.device)
         for r in range(len(ptr) - 1):
             pages = self._paged_kv_indices_buf[int(ptr[r]):int(ptr[r + 1])].long()
@@ -136,10 +167,17 @@ def _merge_state(v_a, s_a, v_b, s_b):
     return v_a * torch.exp(s_a - s)[..., None] + v_b * torch.exp(s_b - s)[..., None], s
 
 
+def _merge_states(v, s):
+    """[N, states, H, D], [N, states, H] -> the merged (v, s); an empty state has lse -inf."""
+    total = torch.logsumexp(s, dim=1)
+    return (v * torch.exp(s - total[:, None])[..., None]).sum(1), total
+
+
 def flashinfer_standin() -> types.SimpleNamespace:
     """A ``flashinfer`` module of torch stand-ins for what ``kernels/flashinfer_extend.py`` calls."""
     return types.SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=_Ragged,
-                                 BatchPrefillWithPagedKVCacheWrapper=_Paged, merge_state=_merge_state)
+                                 BatchPrefillWithPagedKVCacheWrapper=_Paged, merge_state=_merge_state,
+                                 merge_states=_merge_states)
 
 
 def layer_maps(hkv: int, num_groups: int, hp: int, layers: int, seed: int = 5):
@@ -151,14 +189,15 @@ def layer_maps(hkv: int, num_groups: int, hp: int, layers: int, seed: int = 5):
             np.stack([rng.permutation(hkv) for _ in range(layers)]))
 
 
-def _run_case(gqa, hkv, page, n_new, lengths, dev, layers=2, planned_lens=None):
+def _run_case(gqa, hkv, page, n_new, lengths, dev, layers=2, planned_lens=None, **chunking):
     G, hp, D = len(lengths[0]), 2, 64  # FlashInfer's prefill kernels: head dim 64/128/256
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     k, v, indptr, indices = make_pool(lengths, page_size=page, heads_per_group=hp, head_dim=D, seed=3)
     k, v, indices = k.to(dev, dtype), v.to(dev, dtype), indices.to(dev)
     offsets = [0, *itertools.accumulate(n_new)]
     hg, hc, order = layer_maps(hkv, G, hp, layers)
-    fi = FlashInferExtend(dev, hg, hc, order, page_size=page, heads_per_group=hp, workspace_bytes=32 << 20)
+    fi = FlashInferExtend(dev, hg, hc, order, page_size=page, heads_per_group=hp, workspace_bytes=32 << 20,
+                          **chunking)
     step = fi.step(offsets, indptr.numpy(), indices)
     if planned_lens is not None:
         step.planned_lens = planned_lens(step)
@@ -175,12 +214,27 @@ def _run_case(gqa, hkv, page, n_new, lengths, dev, layers=2, planned_lens=None):
         torch.testing.assert_close(out.float(), ref, **tol)
 
 
+# one piece per list (a CPU device counts one CTA slot), and lists cut into pieces of 4 slots
+CHUNKINGS = [{}, {"cta_slots": 10_000, "min_chunk": 4}]
+
+
+@pytest.mark.parametrize("chunking", CHUNKINGS, ids=["whole", "pieces"])
 @pytest.mark.parametrize("gqa,hkv,page,n_new,lengths", CASES)
-def test_two_pass_plumbing_matches_reference(monkeypatch, gqa, hkv, page, n_new, lengths):
-    """Head orders, page-size-1 view, the per-step prefix plan with per-layer indices, and the merge, with
-    FlashInfer replaced by torch."""
+def test_two_pass_plumbing_matches_reference(monkeypatch, gqa, hkv, page, n_new, lengths, chunking):
+    """Head orders, page-size-1 view, the per-step prefix plan with per-layer indices, the prefix pieces and
+    the merges, with FlashInfer replaced by torch."""
     monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin())
-    _run_case(gqa, hkv, page, n_new, lengths, "cpu", layers=3)
+    _run_case(gqa, hkv, page, n_new, lengths, "cpu", layers=3, **chunking)
+
+
+def test_a_split_kv_plan_is_not_reused_across_layers(monkeypatch):
+    """Why the plan disables FlashInfer's split-KV: its partial outputs follow run-time lengths (H200, session
+    10), so a split plan holds only for the lengths it was made for."""
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin())
+    plan = _Paged.plan
+    monkeypatch.setattr(_Paged, "plan", lambda self, *a, disable_split_kv, **k: plan(self, *a, **k))
+    with pytest.raises(AssertionError, match="split-KV plan run on other kv lengths"):
+        _run_case(4, 4, 16, [5, 1, 20], [[40, 7], [3, 0], [0, 16]], "cpu", layers=3)
 
 
 def test_prefix_pass_is_planned_once_per_step(monkeypatch):
@@ -207,8 +261,9 @@ def test_a_plan_for_one_layers_lengths_does_not_cover_the_others(monkeypatch):
 @pytest.mark.skipif(DEV != "cuda", reason="FlashInfer runs on the GPU (TANGRAM_KERNEL_TEST_DEVICE=cuda)")
 @pytest.mark.parametrize("gqa,hkv,page,n_new,lengths", CASES + [(4, 8, 16, [300, 64], [[900, 40, 0, 333],
                                                                                         [17, 1024, 5, 64]])])
-def test_flashinfer_extend_matches_reference(gqa, hkv, page, n_new, lengths):
-    _run_case(gqa, hkv, page, n_new, lengths, "cuda", layers=4)
+@pytest.mark.parametrize("chunking", CHUNKINGS[:1] + [{"min_chunk": 16}], ids=["default", "pieces16"])
+def test_flashinfer_extend_matches_reference(gqa, hkv, page, n_new, lengths, chunking):
+    _run_case(gqa, hkv, page, n_new, lengths, "cuda", layers=4, **chunking)
 
 
 def test_a_flashinfer_keeping_other_buffers_is_refused(monkeypatch):
