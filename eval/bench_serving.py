@@ -171,8 +171,19 @@ def run_server(spec: str, plan: list[tuple[str, int, int]], a: argparse.Namespac
     return runs
 
 
-WORKLOAD_ARGS = ("contexts", "sessions", "questions", "concurrency", "max_tokens", "ignore_eos", "doc_text",
-                 "model_path", "server_extra")
+WORKLOAD_ARGS = ("sessions", "questions", "concurrency", "max_tokens", "ignore_eos", "doc_text", "model_path",
+                 "server_extra")  # and the contexts: each name the files share with one definition (_merged_contexts)
+
+
+def _merged_contexts(docs: list[dict]) -> list[str] | None:
+    """Every context (``name=spec``) of the files, in first-seen order; None if one name has two specs."""
+    specs: dict[str, str] = {}
+    for d in docs:
+        for c in d["data"]["args"]["contexts"]:
+            name = c.partition("=")[0]
+            if specs.setdefault(name, c) != c:
+                return None
+    return list(specs.values())
 
 
 def _window(doc: dict) -> float | None:
@@ -186,7 +197,8 @@ def _window(doc: dict) -> float | None:
 
 def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
     """(runs, workload args, {versions, device}) of several result files of this script, which must share
-    one workload, replay window (:func:`_window`) and device (else ValueError); each run keeps the command
+    one workload (some files may measure only some of its contexts), replay window (:func:`_window`) and device
+    (else ValueError); each run keeps the command
     and date it was measured with. A later file's run of the same server label, context and concurrency
     replaces an earlier one (a re-measurement, e.g. after a change), noting the date it supersedes."""
     docs = [json.loads(p.read_text()) for p in paths]
@@ -199,8 +211,11 @@ def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
         given = ", ".join(str(d["data"]["args"].get("duration")) for d in docs)
         raise ValueError(f"the files' replay windows differ ({given} s) and the shorter ones cut turns or "
                          f"outlast a window")
+    contexts = _merged_contexts(docs)
     for path, doc in zip(paths[1:], docs[1:]):
         diff = [k for k in WORKLOAD_ARGS if doc["data"]["args"].get(k) != first["data"]["args"].get(k)]
+        if contexts is None:
+            diff.append("contexts")
         if doc["device"] != first["device"]:
             diff.append("device")
         if diff:
@@ -218,7 +233,8 @@ def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
             if key in runs:
                 run["supersedes"] = runs[key]["measured_by"]["date"]
             runs[key] = run
-    return list(runs.values()), dict(first["data"]["args"]), {"versions": first["versions"], "device": first["device"]}
+    args = {**first["data"]["args"], "contexts": contexts}
+    return list(runs.values()), args, {"versions": first["versions"], "device": first["device"]}
 
 
 def load_names(runs: list[dict]) -> dict[tuple[str, int], str]:
