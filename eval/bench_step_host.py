@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                    f"(default: {DEFAULT_EXTEND_KERNEL} on CUDA, as the server; the Triton/torch kernel set elsewhere)")
     p.add_argument("--host-only", action="store_true", help="time the decode step's host metadata only")
     p.add_argument("--cprofile", action="store_true",
-                   help="cProfile each timed extend batch's layers: the top functions by own time "
-                        "go to <out>/<name>_extend<question>.prof.txt (where the host waits shows up as own time)")
+                   help="cProfile each timed extend batch's layers and its metadata: the top functions by own "
+                        "time go to <out>/<name>_extend<question>.prof.txt and ..._extend<question>_host.prof.txt "
+                        "(where the host waits shows up as own time)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default="bench_step_host")
     a = p.parse_args(argv)
@@ -172,11 +173,17 @@ def main(argv: list[str] | None = None) -> int:
             for rid in batch:
                 kv.reserve(rid, [3] * question)
             rows = [StepRow(rid, len(kv.requests[rid].token_ids) - question, question, False) for rid in batch]
+            prof = cProfile.Profile() if a.cprofile and batch is rids and len(layer_times) == 2 else None
+            if prof is not None:  # the timed batch's metadata
+                prof.enable()
             ext_host_ms, step = timed(dev, lambda rows=rows: ctx.step(rows, []))
+            if prof is not None:
+                prof.disable()
+                write_profile(prof, a.out / f"{a.name}_extend{question}_host.prof.txt")
             qe = torch.randn(len(batch) * question, hq, d, generator=gen, device=dev, dtype=kv.pool.k_buffer.dtype)
             ke = torch.randn(len(batch) * question, lay.num_kv_heads, d, generator=gen, device=dev, dtype=qe.dtype)
             prof = cProfile.Profile() if a.cprofile and batch is rids and len(layer_times) == 2 else None
-            if prof is not None:  # the timed batch's layers (its metadata is timed above)
+            if prof is not None:  # the timed batch's layers
                 prof.enable()
             layer_times.append(timed(dev, lambda step=step, qe=qe, ke=ke: (
                 [step.attend(layer, qe, ke, ke, scale) for layer in range(lay.num_layers)], step.commit()))[0])

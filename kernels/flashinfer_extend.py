@@ -29,8 +29,10 @@ every plan(): a FlashInfer that changes them fails loudly rather than reading st
 
 plan() writes its schedule into a page-locked host buffer and copies it to the GPU asynchronously, so a
 wrapper is not re-planned before the GPU has consumed that copy: an event is recorded after each plan() and
-waited for before the next (``_Planned``). ``pseudo_token_indices`` (torch, device-side,
-CPU-testable) builds the prefix pass's pseudo-page indices. flashinfer is imported lazily (GPU machines only).
+waited for before the next (``_Planned``). The prefix pass's per-layer lists are laid out for all layers at
+plan time (``pseudo_lists``, host) and uploaded once; a layer then copies its index pointers and last-page
+lengths and writes its pseudo-page ids in one launch (``kernels/pseudo_pages.py``; its torch reference off
+CUDA). flashinfer is imported lazily (GPU machines only).
 """
 
 from __future__ import annotations
@@ -39,39 +41,31 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from tangram_sgl.kernels.pieces import piece_positions
+from tangram_sgl.kernels.pseudo_pages import write_pseudo_pages, write_pseudo_pages_torch
 
 
-def pseudo_token_indices(kv_indptr: np.ndarray, kv_indices: torch.Tensor, head_group: Sequence[int],
-                         head_column: Sequence[int], *, batch: int, page_size: int, heads_per_group: int,
-                         chunk: int = 0, chunks: int = 1) -> tuple[np.ndarray, torch.Tensor]:
-    """(host int32 indptr ``[B*Hkv*chunks+1]``, device int32 pseudo-page ids) of the prefix pass for one layer.
+def pseudo_lists(kv_indptr: np.ndarray, rank_group: np.ndarray, rank_column: np.ndarray, *, batch: int,
+                 chunk: int = 0, chunks: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every layer's prefix-pass pseudo-requests, on the host: (``src [L, P]`` each one's first entry in the
+    step's slot lists, ``indptr [L, P+1]`` its pseudo-pages' place, ``col [L, P]`` its column), P = B*Hkv*chunks.
 
-    Row ``(r*Hkv + k)*chunks + j`` lists slots ``[j*chunk, (j+1)*chunk)`` (all of them when ``chunks`` is 1)
-    of (request r, group ``head_group[k]``) as pseudo-pages of column ``head_column[k]`` of a page-size-1 view
-    of the pool (see the module docstring). ``kv_indptr``: the step's host CSR ``[B*G+1]`` over ``kv_indices``
-    (device). Output sizes come from the host: no device->host sync.
+    Pseudo-request ``(r*Hkv + k)*chunks + j`` of layer l holds slots ``[j*chunk, (j+1)*chunk)`` (all of them
+    when ``chunks`` is 1) of (request r, group ``rank_group[l, k]``), column ``rank_column[l, k]``.
+    ``kv_indptr``: the step's CSR ``[B*G+1]`` over its slot lists. ``kernels/pseudo_pages.py`` writes the ids.
     """
     num_groups = (len(kv_indptr) - 1) // batch
-    seg = (np.arange(batch)[:, None] * num_groups + np.asarray(head_group)[None, :]).reshape(-1)  # [B*Hkv]
+    layers = rank_group.shape[0]
+    seg = (np.arange(batch)[None, :, None] * num_groups + rank_group[:, None, :]).reshape(layers, -1)  # [L, B*Hkv]
     src = kv_indptr[seg].astype(np.int64)
     lens = kv_indptr[seg + 1].astype(np.int64) - src
+    start = np.arange(chunks, dtype=np.int64) * chunk
     if chunks > 1:  # piece j of each list
-        start = np.arange(chunks, dtype=np.int64) * chunk
-        src = (src[:, None] + start).reshape(-1)
-        lens = np.clip(lens[:, None] - start, 0, chunk).reshape(-1)
-    indptr = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=indptr[1:])
-    total = int(indptr[-1])
-    dev = kv_indices.device
-    if total == 0:
-        return indptr.astype(np.int32), torch.empty(0, dtype=torch.int32, device=dev)
-    cols = np.repeat(np.tile(np.asarray(head_column, dtype=np.int64), batch), chunks)
-    shift, count, col = torch.from_numpy(np.stack([src - indptr[:-1], lens, cols])).to(dev, non_blocking=True)
-    slot = kv_indices.long()[piece_positions(shift, count, total)]  # shift: source - destination
-    column = torch.repeat_interleave(col, count, output_size=total)
-    pseudo = ((slot // page_size) * heads_per_group + column) * page_size + slot % page_size
-    return indptr.astype(np.int32), pseudo.to(torch.int32)
+        lens = np.clip(lens[..., None] - start, 0, chunk)
+    src = (src[..., None] + start).reshape(layers, -1)
+    indptr = np.zeros((layers, src.shape[1] + 1), dtype=np.int64)
+    np.cumsum(lens.reshape(layers, -1), axis=1, out=indptr[:, 1:])
+    col = np.repeat(np.tile(np.asarray(rank_column, dtype=np.int64), (1, batch)), chunks, axis=1)
+    return src, indptr, col
 
 
 def pseudo_request_order(offsets: Sequence[int], num_kv_heads: int,
@@ -222,19 +216,28 @@ class FlashInferExtendStep:
                        d, 1, causal=False, sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=kv_dtype,
                        max_token_per_sequence=self.max_new, disable_split_kv=True)
         self._prefix_bufs = run_buffers(fi.prefix.wrapper, indices, len(lens))
+        # every layer's lists, uploaded once: [L, 3, P] (first slot, count, column), [L, 2P+1] (pointers, last)
+        src, self.layer_indptr, col = pseudo_lists(self.kv_indptr, fi.rank_group, fi.rank_column, batch=self.batch,
+                                                   chunk=self.chunk, chunks=self.chunks)
+        count = np.diff(self.layer_indptr, axis=1)
+        self._lists = torch.from_numpy(np.stack([src, count, col], axis=1)).to(dev, non_blocking=True)
+        self._ptr_last = torch.from_numpy(np.concatenate([self.layer_indptr, count > 0], axis=1).astype(np.int32)
+                                          ).to(dev, non_blocking=True)
 
     def _write_prefix_indices(self, layer: int) -> None:
         """This layer's lengths and pseudo-pages into the buffers run() reads (all at most the planned lengths)."""
         fi, bufs = self.fi, self._prefix_bufs
-        indptr, pages = pseudo_token_indices(self.kv_indptr, self.kv_indices, fi.rank_group[layer],
-                                             fi.rank_column[layer], batch=self.batch, page_size=fi.page_size,
-                                             heads_per_group=fi.heads_per_group, chunk=self.chunk,
-                                             chunks=self.chunks)
-        host = torch.from_numpy(np.concatenate([indptr, (np.diff(indptr) > 0).astype(np.int32)]))
-        ptr_last = host.to(self.kv_indices.device, non_blocking=True)
-        bufs["indptr"].copy_(ptr_last[:len(indptr)])
-        bufs["last"].copy_(ptr_last[len(indptr):])
-        bufs["indices"][:pages.numel()].copy_(pages)
+        n = self._lists.shape[2]
+        bufs["indptr"].copy_(self._ptr_last[layer, :n + 1])
+        bufs["last"].copy_(self._ptr_last[layer, n + 1:])
+        src, count, col = self._lists[layer]
+        if fi.cuda:
+            write_pseudo_pages(self.kv_indices, src, self._ptr_last[layer, :n], count, col, bufs["indices"],
+                               page_size=fi.page_size, heads_per_group=fi.heads_per_group)
+        else:
+            write_pseudo_pages_torch(self.kv_indices, src, self._ptr_last[layer, :n], count, col, bufs["indices"],
+                                     page_size=fi.page_size, heads_per_group=fi.heads_per_group,
+                                     total=int(self.layer_indptr[layer, -1]))
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_buffer: torch.Tensor,
                v_buffer: torch.Tensor, sm_scale: float) -> torch.Tensor:

@@ -20,9 +20,10 @@ from tangram_sgl.kernels.extend import extend_attention_torch
 from tangram_sgl.kernels.flashinfer_extend import (
     FlashInferExtend,
     prefix_chunking,
+    pseudo_lists,
     pseudo_request_order,
-    pseudo_token_indices,
 )
+from tangram_sgl.kernels.pseudo_pages import write_pseudo_pages, write_pseudo_pages_torch
 from test_kernels import layer_map, make_pool
 
 # (gqa, hkv, page, new tokens per row, prefix lengths[r][g]): partial pages (two segments per list), empty
@@ -35,30 +36,54 @@ CASES = [
 ]
 
 
-def test_pseudo_token_indices_address_each_heads_list():
+def _layer_pages(kv_indptr, indices, hg, hc, layer_chunks, write=write_pseudo_pages_torch, **kw):
+    """(indptr [L, P+1], the pseudo-page ids of each layer) of a step, through ``pseudo_lists`` and ``write``."""
+    src, indptr, col = pseudo_lists(kv_indptr, hg, hc, **kw)
+    pages = []
+    for li in range(hg.shape[0]):
+        out = torch.full((int(indptr[li, -1]) + 3,), -1, dtype=torch.int32)  # room past the end stays untouched
+        args = [torch.from_numpy(x[li]) for x in (src, indptr[:, :-1], np.diff(indptr, axis=1), col)]
+        extra = {"total": int(indptr[li, -1])} if write is write_pseudo_pages_torch else {}
+        write(indices, *args, out, page_size=16, heads_per_group=2, **extra)
+        assert out[int(indptr[li, -1]):].tolist() == [-1] * 3
+        pages.append(out[:int(indptr[li, -1])])
+    return indptr, pages
+
+
+def test_pseudo_lists_address_each_heads_list():
     lengths, page, hp, hkv = [[40, 7], [0, 33]], 16, 2, 4
     k, _, indptr, indices = make_pool(lengths, page_size=page, heads_per_group=hp, head_dim=8)
     k, indices = k.cpu(), indices.cpu()
-    hg, hc = layer_map(hkv, 2, hp)
-    row_ptr, pseudo = pseudo_token_indices(indptr.numpy(), indices, hg.tolist(), hc.tolist(), batch=2,
-                                           page_size=page, heads_per_group=hp)
+    hg, hc = (np.stack([x.numpy(), np.roll(x.numpy(), 1)]) for x in layer_map(hkv, 2, hp))  # two layers
+    row_ptr, pages = _layer_pages(indptr.numpy(), indices, hg, hc, 1, batch=2)
     flat = k.view(-1, 8)  # the page-size-1 view: one token of one column per row
-    for r, h in itertools.product(range(2), range(hkv)):
-        g, n = int(hg[h]), lengths[r][int(hg[h])]
+    for li, r, h in itertools.product(range(2), range(2), range(hkv)):
+        g, n = int(hg[li, h]), lengths[r][int(hg[li, h])]
         lo = int(indptr[r * 2 + g])
-        got = flat[pseudo[row_ptr[r * hkv + h]:row_ptr[r * hkv + h + 1]].long()]
-        assert torch.equal(got, gather_head_kv(k, indices[lo:lo + n], int(hc[h])))
-    empty = pseudo_token_indices(np.zeros(5, dtype=np.int32), indices[:0], hg.tolist(), hc.tolist(), batch=2,
-                                 page_size=page, heads_per_group=hp)
-    assert empty[0].tolist() == [0] * 9 and empty[1].numel() == 0
+        got = flat[pages[li][row_ptr[li, r * hkv + h] - row_ptr[li, 0]:row_ptr[li, r * hkv + h + 1]].long()]
+        assert torch.equal(got, gather_head_kv(k, indices[lo:lo + n], int(hc[li, h])))
+    empty_ptr, _ = _layer_pages(np.zeros(5, dtype=np.int64), indices[:0], hg, hc, 1, batch=2)
+    assert empty_ptr.tolist() == [[0] * 9] * 2
     # in pieces of 16 slots: each list's pieces, in order, are the list; a piece past its end is empty
-    ptr3, pseudo3 = pseudo_token_indices(indptr.numpy(), indices, hg.tolist(), hc.tolist(), batch=2,
-                                         page_size=page, heads_per_group=hp, chunk=16, chunks=3)
-    for row in range(2 * hkv):
-        pieces = [pseudo3[ptr3[row * 3 + j]:ptr3[row * 3 + j + 1]] for j in range(3)]
+    ptr3, pages3 = _layer_pages(indptr.numpy(), indices, hg, hc, 3, batch=2, chunk=16, chunks=3)
+    for li, row in itertools.product(range(2), range(2 * hkv)):
+        pieces = [pages3[li][ptr3[li, row * 3 + j]:ptr3[li, row * 3 + j + 1]] for j in range(3)]
         assert all(p.numel() <= 16 for p in pieces)
-        assert torch.equal(torch.cat(pieces), pseudo[row_ptr[row]:row_ptr[row + 1]])
-    assert np.diff(ptr3).reshape(2 * hkv, 3)[0].tolist() == [16, 16, 8]  # r0, head 0: group 0's 40 slots
+        assert torch.equal(torch.cat(pieces), pages[li][row_ptr[li, row]:row_ptr[li, row + 1]])
+    assert np.diff(ptr3[0]).reshape(2 * hkv, 3)[0].tolist() == [16, 16, 8]  # r0, head 0: group 0's 40 slots
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_pseudo_pages_kernel_matches_reference(chunks):
+    """The Triton kernel (interpreted on CPU) against its torch reference, pieces of every length up to 40."""
+    lengths = [[40, 7, 0], [1, 33, 16]]
+    _, _, indptr, indices = make_pool(lengths, page_size=16, heads_per_group=2, head_dim=8)
+    hg = np.array([[0, 1, 2, 0], [2, 2, 1, 0]])
+    hc = np.array([[0, 0, 0, 1], [0, 1, 1, 1]])
+    kw = {"batch": 2, "chunk": 16, "chunks": chunks}
+    want = _layer_pages(indptr.numpy(), indices.cpu(), hg, hc, chunks, **kw)
+    got = _layer_pages(indptr.numpy(), indices.cpu(), hg, hc, chunks, write=write_pseudo_pages, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(want[1], got[1]))
 
 
 def test_pseudo_request_order_is_request_head_chunk_token():
