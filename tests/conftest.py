@@ -1,7 +1,16 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules; on CPU, Triton kernels run interpreted.
 
-import pytest
-import torch
+``TRITON_INTERPRET`` must be set before triton is first imported, and library modules import it (the pool's
+write kernel): set here, before any test module loads (``TANGRAM_KERNEL_TEST_DEVICE=cuda`` runs them compiled).
+"""
+
+import os
+
+if os.environ.get("TANGRAM_KERNEL_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture

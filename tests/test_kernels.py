@@ -29,6 +29,7 @@ from tangram_sgl.kernels.flashinfer_decode import (
     pool_as_single_head_pages,
     pseudo_request_pages,
 )
+from tangram_sgl.kernels.pool_write import scatter_kv, scatter_kv_torch
 from tangram_sgl.kernels.scoring import snapkv_scores_ragged, snapkv_scores_ragged_torch, snapkv_scores_torch
 
 
@@ -229,6 +230,27 @@ def test_compaction_matches_reference(page, seg_lens, kept_counts):
     slots = dst_slots[int(dst_indptr[r * G + g]) : int(dst_indptr[r * G + g + 1])].long()
     pos = torch.tensor(kept[indptr[r * hkv + h] : indptr[r * hkv + h + 1]])
     assert torch.equal(k[slots // page, c, slots % page], ks[pos, h])
+
+
+@pytest.mark.parametrize("page,m", [(16, 37), (1, 5), (16, 0)])
+def test_pool_scatter_matches_reference(page, m):
+    """Staging rows (fp32) into a half-precision pool at distinct (slot, column) places: the Triton kernel
+    and its reference write the same pool, and nothing else of it."""
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    pages, hp, t, hkv, d = 8, 2, 11, 3, 32
+    place = torch.randperm(pages * page * hp, generator=gen)[:m]  # distinct (slot, column)
+    slot, column = place // hp, place % hp
+    token, head = torch.randint(0, t, (m,), generator=gen), torch.randint(0, hkv, (m,), generator=gen)
+    ks, vs = torch.randn(t, hkv, d, generator=gen), torch.randn(t, hkv, d, generator=gen)
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16
+    pool = [torch.randn(pages, hp, page, d, generator=gen).to(DEV, dt) for _ in range(2)]
+    ref = [x.clone() for x in pool]
+    idx = [x.to(DEV) for x in (slot, column, token, head)]
+    scatter_kv(*idx, ks.to(DEV), vs.to(DEV), *pool, block=16)
+    scatter_kv_torch(*idx, ks.to(DEV), vs.to(DEV), *ref)
+    assert all(torch.equal(a, b) for a, b in zip(pool, ref))
+    if m:
+        assert torch.equal(pool[0][slot[0] // page, column[0], slot[0] % page].cpu(), ks[token[0], head[0]].to(dt))
 
 
 def test_pseudo_request_pages_address_the_same_tokens():

@@ -30,6 +30,7 @@
 #           (accuracy_p31: the snapkv:pool_kernel=31 profile on its own CPU run's conversations)
 #   kernels  eval/bench_kernels.py: Triton block-config tune, decode CTA-target study, then the batch 16-64 x 32k/64k
 #           grid at the study's best target (FlashInfer columns copied from bench_kernels_aot2.json)
+#   kernels_short  the same kernel at the short class's decode shapes (batch 32/128 x 4k, budgets 1.0/0.25) beside FlashInfer
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 #           (the serving FlashInfer path included); writes its JSON after every case
 # Logs and JSON go to $OUT (the device tool brings them back).
@@ -139,6 +140,10 @@ soak_run() {
 stage_kernels() { (cd /tmp && timeout 580 python3 "$R"/eval/bench_kernels.py --no-flashinfer \
   --fi-from "$R"/eval/results/bench_kernels_aot2.json --study-targets 264,528,792,1056,1584 --target-ctas best \
   --batches 16,32,64 --contexts 32768,65536 --out "$OUT"/bench_kernels_study.json 2>&1 | tail -30); }
+# the short class's decode shapes (4k contexts, 32 and 128 rows) against FlashInfer on the same and the full cache:
+# serving there showed 8.3 ms of decode attention for 17 GB kept (r0.25, 128 x 4k), ~43 % of the roofline
+stage_kernels_short() { (cd /tmp && timeout 400 python3 "$R"/eval/bench_kernels.py --no-tune --study-targets '' \
+  --batches 32,128 --contexts 4096 --budgets 1.0,0.25 --out "$OUT"/bench_kernels_short.json 2>&1 | tail -30); }
 stage_extend() { (cd /tmp && timeout 540 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 # the GPU server's accuracy vs the CPU reference run, same conversations (after `smol`; ~3 min per server)
 stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from tangram_sgl.kernels.pool_write import scatter_kv, scatter_kv_torch
 from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.pool.page_allocator import PageAllocator
 
@@ -49,6 +50,14 @@ class GroupPagePool:
         pages, offs = slots // self.page_size, slots % self.page_size
         self.k_buffer[pages, columns, offs] = k.to(self.k_buffer.dtype)
         self.v_buffer[pages, columns, offs] = v.to(self.v_buffer.dtype)
+
+    def scatter(self, slots: torch.Tensor, columns: torch.Tensor, tokens: torch.Tensor, heads: torch.Tensor,
+                k_src: torch.Tensor, v_src: torch.Tensor) -> None:
+        """Store ``k_src[tokens[i], heads[i]]``, ``v_src[...]`` (staging ``[T, H_kv, head_dim]``) at (slot
+        ``slots[i]``, column ``columns[i]``): one Triton launch on CUDA (``kernels/pool_write.py``), its torch
+        reference elsewhere; the index tensors on the pool's device."""
+        scatter = scatter_kv if self.device.type == "cuda" else scatter_kv_torch
+        scatter(slots, columns, tokens, heads, k_src, v_src, self.k_buffer, self.v_buffer)
 
     def read(self, slots: torch.Tensor, column: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[m, head_dim]`` of column ``column`` at the given slots."""

@@ -304,8 +304,7 @@ class TangramKVManager:
                                   plan.kept.shape[-1])
         pos = kept[row, head, rank]
         tok = plan.offsets[row] + pos
-        k, v = k.to(dev), v.to(dev)
-        self.pool.write(plan.slot[e], column, k[tok, head], v[tok, head])
+        self.pool.scatter(plan.slot[e], column, tok, head, k.to(dev), v.to(dev))
         plan.kept[row, plan.group[e], column, rank] = pos.to(torch.int32)
         for pend in plan.pendings:
             pend.layers_written.add(layer)
@@ -331,17 +330,13 @@ class TangramKVManager:
             tables.append(pend.slot_table[:, :lengths[-1]])  # [G, n]: group g's slot of each token
         # a few device operations for all rows (one gather by the [L, H] head -> group map), not a few per row
         tokens = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lengths)])
-        return FullSegmentWrites(list(rids), torch.cat(tables, 1)[self._head_group], self._head_column,
-                                 torch.from_numpy(tokens).to(self.pool.device, non_blocking=True))
+        return FullSegmentWrites.build(rids, torch.cat(tables, 1)[self._head_group], self._head_column,
+                                       torch.from_numpy(tokens).to(self.pool.device, non_blocking=True))
 
     def write_full_segments_layer(self, plan: FullSegmentWrites, layer: int, k: torch.Tensor,
                                   v: torch.Tensor) -> None:
         """Layer ``layer`` of ``plan``'s segments from the step's staging ``k``, ``v`` ``[T, H_kv, D]``."""
-        rows = plan.slots[layer]  # [H, N]
-        cols = plan.columns[layer][:, None].expand_as(rows)
-        d = k.shape[-1]
-        self.pool.write(rows.reshape(-1), cols.reshape(-1), k[plan.tokens].transpose(0, 1).reshape(-1, d),
-                        v[plan.tokens].transpose(0, 1).reshape(-1, d))
+        self.pool.scatter(plan.slot[layer], plan.column[layer], plan.token, plan.head, k, v)
         for rid in plan.rids:
             self.requests[rid].pending.layers_written.add(layer)
 

@@ -25,13 +25,24 @@ from tangram_sgl.pool.reservation import PendingSegment
 
 @dataclass(frozen=True)
 class FullSegmentWrites:
-    """Where every layer's K/V of segments that keep every token go, for several requests at once:
-    ``slots[l, h, i]`` receives staging row ``tokens[i]`` of kv head h in layer l (column ``columns[l, h]``)."""
+    """Where every layer's K/V of segments that keep every token go, for several requests at once, as
+    ``GroupPagePool.scatter`` entries: entry i of layer l copies staging row ``token[i]`` of kv head ``head[i]``
+    to slot ``slot[l, i]``, column ``column[l, i]`` (i runs over heads, then the N new tokens)."""
 
     rids: list[Hashable]
-    slots: torch.Tensor  # int64 [L, H, N] on the pool's device
-    columns: torch.Tensor  # int64 [L, H]
-    tokens: torch.Tensor  # int64 [N]: rows of the step's staging K/V
+    slot: torch.Tensor  # int64 [L, H*N] on the pool's device
+    column: torch.Tensor  # int64 [L, H*N]
+    token: torch.Tensor  # int64 [H*N]: rows of the step's staging K/V
+    head: torch.Tensor  # int64 [H*N]
+
+    @classmethod
+    def build(cls, rids: Sequence[Hashable], slots: torch.Tensor, columns: torch.Tensor,
+              tokens: torch.Tensor) -> FullSegmentWrites:
+        """From ``slots [L, H, N]`` (head h's slot of each new token in layer l), ``columns [L, H]`` and the
+        tokens' staging rows ``[N]``."""
+        layers, hkv, n = slots.shape
+        return cls(list(rids), slots.reshape(layers, -1), columns[:, :, None].expand(-1, -1, n).reshape(layers, -1),
+                   tokens.repeat(hkv), torch.arange(hkv, device=tokens.device).repeat_interleave(n))
 
 
 @dataclass(frozen=True)

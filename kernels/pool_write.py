@@ -1,0 +1,65 @@
+"""Scatter of staging K/V rows into the head-group page pool: entry i copies ``k_src[token[i], head[i]]`` (and
+the same of V) to slot ``slot[i]``, column ``column[i]`` of the pool (page ``slot // page_size``, row
+``slot % page_size``). One launch per layer for a step's whole-segment and compressed-segment writes, in place of
+gathering the source rows, converting the indices and an indexed assignment per buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scatter_kv_kernel(Slot, Column, Token, Head, KSrc, VSrc, K, V, m,
+                       stride_st, stride_sh, stride_vst, stride_vsh,
+                       stride_kp, stride_kc, stride_kt, stride_vp, stride_vc, stride_vt,
+                       PAGE: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < m
+    slot = tl.load(Slot + offs, mask=mask, other=0).to(tl.int64)
+    col = tl.load(Column + offs, mask=mask, other=0).to(tl.int64)
+    tok = tl.load(Token + offs, mask=mask, other=0).to(tl.int64)
+    head = tl.load(Head + offs, mask=mask, other=0).to(tl.int64)
+    page, row = slot // PAGE, slot % PAGE
+    d = tl.arange(0, D)
+    k = tl.load(KSrc + (tok * stride_st + head * stride_sh)[:, None] + d[None, :], mask=mask[:, None])
+    tl.store(K + (page * stride_kp + col * stride_kc + row * stride_kt)[:, None] + d[None, :],
+             k.to(K.dtype.element_ty), mask=mask[:, None])
+    v = tl.load(VSrc + (tok * stride_vst + head * stride_vsh)[:, None] + d[None, :], mask=mask[:, None])
+    tl.store(V + (page * stride_vp + col * stride_vc + row * stride_vt)[:, None] + d[None, :],
+             v.to(V.dtype.element_ty), mask=mask[:, None])
+
+
+def _check(k_src: torch.Tensor, v_src: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
+    if any(t.stride(-1) != 1 for t in (k_src, v_src, k_buffer, v_buffer)):
+        raise ValueError("staging and pool tensors must be contiguous along head_dim")
+
+
+def scatter_kv(slot: torch.Tensor, column: torch.Tensor, token: torch.Tensor, head: torch.Tensor,
+               k_src: torch.Tensor, v_src: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, *,
+               block: int = 32) -> None:
+    """Copy ``k_src[token[i], head[i]]`` / ``v_src[...]`` (``[T, H, D]``) to ``(slot[i], column[i])`` of the pool
+    buffers ``[pages, H_p, page_size, D]``, in place; the four index tensors: one entry per copy, on the pool's
+    device."""
+    _check(k_src, v_src, k_buffer, v_buffer)
+    m = slot.numel()
+    if m == 0:
+        return
+    _scatter_kv_kernel[(triton.cdiv(m, block),)](
+        slot, column, token, head, k_src, v_src, k_buffer, v_buffer, m,
+        k_src.stride(0), k_src.stride(1), v_src.stride(0), v_src.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), k_buffer.stride(2),
+        v_buffer.stride(0), v_buffer.stride(1), v_buffer.stride(2),
+        PAGE=k_buffer.shape[2], D=k_buffer.shape[-1], BLOCK=block)
+
+
+def scatter_kv_torch(slot: torch.Tensor, column: torch.Tensor, token: torch.Tensor, head: torch.Tensor,
+                     k_src: torch.Tensor, v_src: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
+    """Reference of :func:`scatter_kv`."""
+    _check(k_src, v_src, k_buffer, v_buffer)
+    slot, column, token, head = (x.long() for x in (slot, column, token, head))
+    page, row = slot // k_buffer.shape[2], slot % k_buffer.shape[2]
+    k_buffer[page, column, row] = k_src[token, head].to(k_buffer.dtype)
+    v_buffer[page, column, row] = v_src[token, head].to(v_buffer.dtype)
