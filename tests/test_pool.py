@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from test_pool_support import D, H, L, decode, prefill, token_kv, token_scores, toy_manager
@@ -93,6 +95,26 @@ def test_slot_lists_csr_addresses_the_kept_tokens():
                 sl = indices[indptr[r * G + g]: indptr[r * G + g + 1]].long()
                 got = mgr.pool.k_buffer[sl // ps, c, sl % ps]
                 assert torch.equal(got, mgr.gather(rid, layer, head)[0])
+
+
+def test_slot_lists_are_the_request_lists_in_request_group_order():
+    """Requests of several segments (a shared tree prefix, own segments, decode tokens) and one with none yet:
+    the CSR holds each request's per-group lists in (request, group) order."""
+    mgr = toy_manager(num_pages=96)
+    shared = list(range(1, 30))
+    for rid, toks in (("a", shared), ("b", list(range(50, 61)))):
+        mgr.admit(rid, toks)
+        prefill(mgr, rid, toks)
+        decode(mgr, rid, 5)
+    mgr.finish("a")
+    mgr.admit("c", shared + [99] * 6)  # on a's cached path
+    prefill(mgr, "c", [99] * 6)
+    mgr.admit("d", [7, 8, 9])  # nothing committed yet
+    rids = ["b", "c", "d"]
+    indptr, indices = mgr.slot_lists(rids)
+    want = [x for rid in rids for x in mgr.request_lists(rid)]
+    assert indptr.tolist() == [0, *itertools.accumulate(len(x) for x in want)]
+    assert indices.tolist() == torch.cat(want).tolist()
 
 
 def test_refused_with_a_clear_reason_and_nothing_allocated():

@@ -467,24 +467,26 @@ class TangramKVManager:
         G = self.num_groups
         tables = [[s.slot_table(self.page_size, device) for s in self.request_segments(rid)] for rid in rids]
         flat = [t for row in tables for t in row]
-        seg_base = np.cumsum([0] + [t.slots.numel() for t in flat])
-        lens, srcs, at = [], [], 0
-        for row in tables:  # a row's pieces in (group, segment) order: [G, S] arrays, flattened
-            if row:
-                lens.append(np.stack([t.lengths for t in row], 1))
-                srcs.append(np.stack([t.offsets for t in row], 1) + seg_base[at:at + len(row)])
-            else:
-                lens.append(np.zeros((G, 1), dtype=np.int64))
-                srcs.append(np.zeros((G, 1), dtype=np.int64))
-            at += len(row)
         indptr = torch.zeros(len(rids) * G + 1, dtype=torch.int32)
-        group_lens = np.concatenate([x.sum(1) for x in lens]) if lens else np.zeros(0, dtype=np.int64)
-        indptr[1:] = torch.from_numpy(np.cumsum(group_lens))
+        if not flat:
+            return indptr, torch.empty(0, dtype=torch.int32, device=device)
+        # pieces (request, group, segment), from [S, G] arrays of all the step's segments in (request, segment) order
+        nseg = np.fromiter((len(row) for row in tables), dtype=np.int64, count=len(tables))
+        first = np.cumsum(nseg) - nseg  # each request's first segment
+        row = np.repeat(np.arange(len(rids)), nseg)
+        lens = np.stack([t.lengths for t in flat])  # [S, G]
+        seg_base = np.cumsum([0] + [t.slots.numel() for t in flat])[:-1]
+        srcs = np.stack([t.offsets for t in flat]) + seg_base[:, None]
+        place = (first[row] * G)[:, None] + np.arange(G)[None, :] * nseg[row][:, None] + \
+            (np.arange(len(flat)) - first[row])[:, None]  # [S, G]: the piece's rank in (request, group, segment)
+        piece_len, piece_src = np.empty(lens.size, dtype=np.int64), np.empty(lens.size, dtype=np.int64)
+        piece_len[place.reshape(-1)], piece_src[place.reshape(-1)] = lens.reshape(-1), srcs.reshape(-1)
+        group_lens = np.zeros((len(rids), G), dtype=np.int64)
+        np.add.at(group_lens, row, lens)
+        indptr[1:] = torch.from_numpy(np.cumsum(group_lens.reshape(-1)))
         total = int(indptr[-1])
         if total == 0:
             return indptr, torch.empty(0, dtype=torch.int32, device=device)
-        piece_len = np.concatenate([x.reshape(-1) for x in lens])
-        piece_src = np.concatenate([x.reshape(-1) for x in srcs])
         keep = piece_len > 0
         piece_len, piece_src = piece_len[keep], piece_src[keep]
         piece_dst = np.cumsum(piece_len) - piece_len  # pieces are already in output order
