@@ -71,7 +71,7 @@ PY
 stage_tests() {  # TESTS: other test files of tests/ (default: the three below)
   local files=() f; for f in ${TESTS:-test_kernels.py test_flashinfer_extend.py test_attention_backend.py}; do
     files+=("$R/tests/$f"); done
-  (cd /tmp && TANGRAM_KERNEL_TEST_DEVICE=cuda TANGRAM_ATTN_TEST_DEVICE=cuda timeout 360 python3 -m pytest -q -p no:cacheprovider \
+  (cd /tmp && TANGRAM_KERNEL_TEST_DEVICE=cuda TANGRAM_ATTN_TEST_DEVICE=cuda timeout 540 python3 -m pytest -q -p no:cacheprovider \
      "${files[@]}" 2>&1 | tail -40) | tee "$OUT/gpu_tests.log"
 }
 stage_smoke() {
