@@ -202,9 +202,13 @@ class FlashInferExtendStep:
         self.chunk, self.chunks = prefix_chunking(self.planned_lens, new_tokens, gq, cta_slots=fi.cta_slots,
                                                   min_chunk=fi.min_chunk)
         fwd, inv, pseudo_qo = pseudo_request_order(self.offsets, self.hkv, self.chunks)
-        fwd, self.inv = (torch.from_numpy(x).to(dev, non_blocking=True) for x in (fwd, inv))
-        self.fwd_rank = fwd % self.hkv  # the rank each pseudo row is taken from (identity order)
-        self.fwd_base = fwd - self.fwd_rank
+        fwd, inv = (torch.from_numpy(x).to(dev, non_blocking=True) for x in (fwd, inv))
+        rank = fwd % self.hkv  # the rank each pseudo row is taken from (identity order)
+        # every layer's gathers: pseudo row (r, k, j, t) <- q block of kv head order[l, k]; back by the head's rank
+        self._fwd = (fwd - rank)[None, :] + fi.head_order[:, rank]  # [L, T*Hkv*chunks]
+        t = len(inv) // self.hkv
+        self._inv = inv.view(t, self.hkv, self.chunks)[:, fi.head_rank].transpose(0, 1).reshape(
+            len(fi.head_rank), t * self.hkv, self.chunks)  # [L, T*Hkv, chunks]
         start = np.arange(self.chunks, dtype=np.int64) * self.chunk
         lens = np.clip(self.planned_lens[:, None] - start, 0, max(self.chunk, 1)).reshape(-1)  # [B*Hkv*chunks]
         indptr = np.zeros(len(lens) + 1, dtype=np.int64)
@@ -258,8 +262,7 @@ class FlashInferExtendStep:
             return chunk.run(q, k_new, v_new)
         o1, s1 = chunk.run(q, k_new, v_new, return_lse=True)
         self._write_prefix_indices(layer)
-        fwd = self.fwd_base + self.fi.head_order[layer][self.fwd_rank]  # pseudo row (r, k, j, t) <- kv head order[k]
-        inv = self.inv.view(t, self.hkv, self.chunks)[:, self.fi.head_rank[layer]].reshape(t * self.hkv, self.chunks)
+        fwd, inv = self._fwd[layer], self._inv[layer]
         view = (k_buffer.view(-1, 1, 1, d), v_buffer.view(-1, 1, 1, d))
         o2, s2 = self.fi.prefix.wrapper.run(q.reshape(t * self.hkv, gq, d)[fwd], view, return_lse=True)
         if self.chunks == 1:
