@@ -36,16 +36,18 @@ CASES = [
 ]
 
 
-def _layer_pages(kv_indptr, indices, hg, hc, layer_chunks, write=write_pseudo_pages_torch, **kw):
-    """(indptr [L, P+1], the pseudo-page ids of each layer) of a step, through ``pseudo_lists`` and ``write``."""
+def _layer_pages(kv_indptr, indices, hg, hc, write=write_pseudo_pages_torch, **kw):
+    """(indptr [L, P+1], the pseudo-page ids of each layer, on the host) of a step, through ``pseudo_lists``
+    and ``write`` on ``indices``' device."""
     src, indptr, col = pseudo_lists(kv_indptr, hg, hc, **kw)
-    pages = []
+    dev, pages = indices.device, []
     for li in range(hg.shape[0]):
-        out = torch.full((int(indptr[li, -1]) + 3,), -1, dtype=torch.int32)  # room past the end stays untouched
-        args = [torch.from_numpy(x[li]) for x in (src, indptr[:, :-1], np.diff(indptr, axis=1), col)]
+        out = torch.full((int(indptr[li, -1]) + 3,), -1, dtype=torch.int32, device=dev)  # room past the end
+        args = [torch.from_numpy(x[li]).to(dev) for x in (src, indptr[:, :-1], np.diff(indptr, axis=1), col)]
         extra = {"total": int(indptr[li, -1])} if write is write_pseudo_pages_torch else {}
         write(indices, *args, out, page_size=16, heads_per_group=2, **extra)
-        assert out[int(indptr[li, -1]):].tolist() == [-1] * 3
+        out = out.cpu()
+        assert out[int(indptr[li, -1]):].tolist() == [-1] * 3  # stays untouched
         pages.append(out[:int(indptr[li, -1])])
     return indptr, pages
 
@@ -55,17 +57,17 @@ def test_pseudo_lists_address_each_heads_list():
     k, _, indptr, indices = make_pool(lengths, page_size=page, heads_per_group=hp, head_dim=8)
     k, indices = k.cpu(), indices.cpu()
     hg, hc = (np.stack([x.numpy(), np.roll(x.numpy(), 1)]) for x in layer_map(hkv, 2, hp))  # two layers
-    row_ptr, pages = _layer_pages(indptr.numpy(), indices, hg, hc, 1, batch=2)
+    row_ptr, pages = _layer_pages(indptr.numpy(), indices, hg, hc, batch=2)
     flat = k.view(-1, 8)  # the page-size-1 view: one token of one column per row
     for li, r, h in itertools.product(range(2), range(2), range(hkv)):
         g, n = int(hg[li, h]), lengths[r][int(hg[li, h])]
         lo = int(indptr[r * 2 + g])
         got = flat[pages[li][row_ptr[li, r * hkv + h] - row_ptr[li, 0]:row_ptr[li, r * hkv + h + 1]].long()]
         assert torch.equal(got, gather_head_kv(k, indices[lo:lo + n], int(hc[li, h])))
-    empty_ptr, _ = _layer_pages(np.zeros(5, dtype=np.int64), indices[:0], hg, hc, 1, batch=2)
+    empty_ptr, _ = _layer_pages(np.zeros(5, dtype=np.int64), indices[:0], hg, hc, batch=2)
     assert empty_ptr.tolist() == [[0] * 9] * 2
     # in pieces of 16 slots: each list's pieces, in order, are the list; a piece past its end is empty
-    ptr3, pages3 = _layer_pages(indptr.numpy(), indices, hg, hc, 3, batch=2, chunk=16, chunks=3)
+    ptr3, pages3 = _layer_pages(indptr.numpy(), indices, hg, hc, batch=2, chunk=16, chunks=3)
     for li, row in itertools.product(range(2), range(2 * hkv)):
         pieces = [pages3[li][ptr3[li, row * 3 + j]:ptr3[li, row * 3 + j + 1]] for j in range(3)]
         assert all(p.numel() <= 16 for p in pieces)
@@ -75,14 +77,15 @@ def test_pseudo_lists_address_each_heads_list():
 
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_pseudo_pages_kernel_matches_reference(chunks):
-    """The Triton kernel (interpreted on CPU) against its torch reference, pieces of every length up to 40."""
+    """The Triton kernel (interpreted on CPU, compiled on CUDA) against its torch reference, pieces of every
+    length up to 40."""
     lengths = [[40, 7, 0], [1, 33, 16]]
     _, _, indptr, indices = make_pool(lengths, page_size=16, heads_per_group=2, head_dim=8)
     hg = np.array([[0, 1, 2, 0], [2, 2, 1, 0]])
     hc = np.array([[0, 0, 0, 1], [0, 1, 1, 1]])
     kw = {"batch": 2, "chunk": 16, "chunks": chunks}
-    want = _layer_pages(indptr.numpy(), indices.cpu(), hg, hc, chunks, **kw)
-    got = _layer_pages(indptr.numpy(), indices.cpu(), hg, hc, chunks, write=write_pseudo_pages, **kw)
+    want = _layer_pages(indptr.numpy(), indices.cpu(), hg, hc, **kw)
+    got = _layer_pages(indptr.numpy(), indices.to(DEV), hg, hc, write=write_pseudo_pages, **kw)
     assert all(torch.equal(a, b) for a, b in zip(want[1], got[1]))
 
 
