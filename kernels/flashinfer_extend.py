@@ -44,6 +44,14 @@ import torch
 from tangram_sgl.kernels.pseudo_pages import write_pseudo_pages, write_pseudo_pages_torch
 
 
+def piece_lengths(lens: np.ndarray, chunk: int, chunks: int) -> np.ndarray:
+    """``[..., chunks]``: the lengths of pieces ``[j*chunk, (j+1)*chunk)`` of lists of ``lens`` slots (the whole
+    list when ``chunks`` is 1)."""
+    if chunks == 1:
+        return lens[..., None]
+    return np.clip(lens[..., None] - np.arange(chunks, dtype=np.int64) * chunk, 0, chunk)
+
+
 def pseudo_lists(kv_indptr: np.ndarray, rank_group: np.ndarray, rank_column: np.ndarray, *, batch: int,
                  chunk: int = 0, chunks: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every layer's prefix-pass pseudo-requests, on the host: (``src [L, P]`` each one's first entry in the
@@ -57,11 +65,8 @@ def pseudo_lists(kv_indptr: np.ndarray, rank_group: np.ndarray, rank_column: np.
     layers = rank_group.shape[0]
     seg = (np.arange(batch)[None, :, None] * num_groups + rank_group[:, None, :]).reshape(layers, -1)  # [L, B*Hkv]
     src = kv_indptr[seg].astype(np.int64)
-    lens = kv_indptr[seg + 1].astype(np.int64) - src
-    start = np.arange(chunks, dtype=np.int64) * chunk
-    if chunks > 1:  # piece j of each list
-        lens = np.clip(lens[..., None] - start, 0, chunk)
-    src = (src[..., None] + start).reshape(layers, -1)
+    lens = piece_lengths(kv_indptr[seg + 1].astype(np.int64) - src, chunk, chunks)
+    src = (src[..., None] + np.arange(chunks, dtype=np.int64) * chunk).reshape(layers, -1)
     indptr = np.zeros((layers, src.shape[1] + 1), dtype=np.int64)
     np.cumsum(lens.reshape(layers, -1), axis=1, out=indptr[:, 1:])
     col = np.repeat(np.tile(np.asarray(rank_column, dtype=np.int64), (1, batch)), chunks, axis=1)
@@ -209,8 +214,7 @@ class FlashInferExtendStep:
         t = len(inv) // self.hkv
         self._inv = inv.view(t, self.hkv, self.chunks)[:, fi.head_rank].transpose(0, 1).reshape(
             len(fi.head_rank), t * self.hkv, self.chunks)  # [L, T*Hkv, chunks]
-        start = np.arange(self.chunks, dtype=np.int64) * self.chunk
-        lens = np.clip(self.planned_lens[:, None] - start, 0, max(self.chunk, 1)).reshape(-1)  # [B*Hkv*chunks]
+        lens = piece_lengths(self.planned_lens, self.chunk, self.chunks).reshape(-1)  # [B*Hkv*chunks]
         indptr = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=indptr[1:])
         last = torch.from_numpy((lens > 0).astype(np.int32))  # page size 1: an empty row has 0

@@ -117,9 +117,8 @@ class AttentionContext:
 def layout_flashinfer_extend(layout: HeadGroupLayout, head_order: Sequence[Sequence[int]],
                              device: torch.device | str) -> FlashInferExtend:
     """FlashInfer's extend passes for ``layout``'s head maps (``head_order``: each layer's launch order)."""
-    return FlashInferExtend(device, np.array([ls.group for ls in layout.layers]),
-                            np.array([ls.column for ls in layout.layers]), np.asarray(head_order),
-                            page_size=layout.page_size, heads_per_group=layout.heads_per_group)
+    return FlashInferExtend(device, layout.head_group_tensor().numpy(), layout.head_column_tensor().numpy(),
+                            np.asarray(head_order), page_size=layout.page_size, heads_per_group=layout.heads_per_group)
 
 
 def decode_attend(ctx: AttentionContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
