@@ -33,6 +33,7 @@ ENV_EXTEND_KERNEL = "TANGRAM_EXTEND_KERNEL"
 EXTEND_KERNELS = ("triton", "flashinfer")
 DEFAULT_EXTEND_KERNEL = "flashinfer"  # faster on the H200 at every measured shape (eval/results/bench_extend.json)
 _SA = "sglang.srt.server_args.ServerArgs"
+PREFILL_GRAPH_BACKENDS = ("disabled", "breakable")  # the ones the tangram backend serves
 
 # Features whose KV handling tangram_sgl does not implement: (ServerArgs field, its "off" value, flag).
 _UNSUPPORTED = (
@@ -116,20 +117,25 @@ def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profil
 def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
     """Turn off, loudly, the defaults the tangram backend cannot run with yet; refuse explicit requests.
 
-    Decode CUDA graphs stay as the user set them (SGLang's default: on); prefill graphs and the overlap
-    scheduler are turned off: extend steps score and compact on the host, and the backend reads each step's
+    Decode CUDA graphs stay as the user set them (SGLang's default: on). Prefill graphs are off unless asked
+    for as breakable graphs (``--cuda-graph-backend-prefill breakable``: attention, with its scoring and
+    compaction, runs eagerly between the captured segments; opt-in until measured on the GPU); full and
+    torch.compile prefill graphs are refused. The overlap scheduler is off: the backend reads each step's
     decoded token ids on the host when it starts.
     """
-    if fields.get("cuda_graph_backend_prefill") not in (None, "disabled"):
-        raise KvPolicyError(f"--kv-policy tangram does not support prefill CUDA graphs; --cuda-graph-backend-"
-                            f"prefill {fields['cuda_graph_backend_prefill']} is not supported with it")
+    prefill = fields.get("cuda_graph_backend_prefill")
+    if prefill not in (None, *PREFILL_GRAPH_BACKENDS):
+        raise KvPolicyError(f"--kv-policy tangram runs prefill CUDA graphs only as breakable graphs; "
+                            f"--cuda-graph-backend-prefill {prefill} is not supported with it (use breakable or "
+                            f"disabled)")
     if fields.get("cuda_graph_config") is not None:
         raise KvPolicyError("--kv-policy tangram sets the CUDA-graph phases itself; omit --cuda-graph-config "
                             "(use --cuda-graph-backend-decode / --cuda-graph-max-bs-decode)")
-    if fields.get("cuda_graph_backend_prefill") is None or not fields.get("disable_overlap_schedule"):
-        logger.warning("--kv-policy tangram: prefill CUDA graphs and the overlap scheduler are turned off (the "
-                       "tangram backend scores and compacts extend steps on the host); decode CUDA graphs stay on")
-    fields["cuda_graph_backend_prefill"] = "disabled"
+    if prefill is None or not fields.get("disable_overlap_schedule"):
+        logger.warning("--kv-policy tangram: the overlap scheduler is turned off%s (the tangram backend reads "
+                       "decoded token ids on the host); decode CUDA graphs stay on",
+                       "" if prefill else ", and prefill CUDA graphs unless --cuda-graph-backend-prefill breakable")
+    fields["cuda_graph_backend_prefill"] = prefill or "disabled"
     fields["disable_overlap_schedule"] = True
 
 

@@ -6,9 +6,17 @@ idempotent: SGLang may call ``load_plugins()`` more than once per process.
 
 from __future__ import annotations
 
-from tangram_sgl.patches import attention_backend, cuda_graph, memory_pool, metrics, radix_cache, server_args
+from tangram_sgl.patches import (
+    attention_backend,
+    cuda_graph,
+    memory_pool,
+    metrics,
+    prefill_graph,
+    radix_cache,
+    server_args,
+)
 
-SEAMS = (server_args, attention_backend, memory_pool, radix_cache, cuda_graph, metrics)
+SEAMS = (server_args, attention_backend, memory_pool, radix_cache, cuda_graph, prefill_graph, metrics)
 
 
 def register() -> None:

@@ -23,8 +23,12 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager import (
+    set_tc_piecewise_forward_context,
+)
 from tangram_sgl.patches.attention_backend import TangramNotServable
 from tangram_sgl.patches.cuda_graph import can_run_graph_around
+from tangram_sgl.patches.prefill_graph import capture_around
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tangram_sgl.attention.backend import TangramAttnBackend
@@ -265,11 +269,15 @@ class Harness:
     and a forward whose attention layers are SGLang RadixAttention modules running the tangram backend."""
 
     def __init__(self, model: LlamaForCausalLM, profile: TangramProfile, pages: int, kernels: str | None = None,
-                 kv: TangramKVManager | None = None, graph_buckets: tuple[int, ...] = ()):
+                 kv: TangramKVManager | None = None, graph_buckets: tuple[int, ...] = (),
+                 prefill_buckets: tuple[int, ...] = ()):
         self.model = model
         install(model)
         self.kv = kv or TangramKVManager.from_profile(profile, pages, dtype=torch.float32, device=DEV)
-        self.backend = TangramAttnBackend(fake_runner(self.kv, model.config), profile, kernels=kernels)
+        sa = {"cuda_graph_config": CudaGraphConfig(decode=PhaseConfig(backend=Backend.DISABLED),
+                                                   prefill=PhaseConfig(backend=Backend.BREAKABLE))} \
+            if prefill_buckets else {}
+        self.backend = TangramAttnBackend(fake_runner(self.kv, model.config, **sa), profile, kernels=kernels)
         self.layers = [RadixAttention(HEADS, HEAD_DIM, HEAD_DIM ** -0.5, KV_HEADS, layer_id=i) for i in range(LAYERS)]
         self.dense_cache: dict[str, dict] = {}  # conversation (first letter of the rid) -> _DenseCacheStep cache
         self.checked_rows = 0
@@ -277,6 +285,9 @@ class Harness:
         self.captured: dict[int, tuple[int, ...]] = {}
         if graph_buckets:
             self.capture_graphs()
+        self.prefill_buckets, self.prefill_replays = prefill_buckets, 0
+        if prefill_buckets:
+            self.capture_prefill_graphs()
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         with torch.no_grad(), forward_context(ForwardContext(attn_backend=self.backend)):
@@ -300,6 +311,39 @@ class Harness:
             self.captured[bs] = self._addresses(self.backend.step)
             self._forward(fb)
         assert self.kv.free_pages() == free  # capture touches no request state
+
+    def capture_prefill_graphs(self) -> None:
+        """What SGLang's breakable prefill graph runner does at start, through the capture hook: per token bucket,
+        a request-less EXTEND batch's metadata, then two warm-up forwards and the captured one."""
+        free = self.kv.free_pages()
+
+        def capture(runner) -> None:
+            for n in sorted(self.prefill_buckets, reverse=True):
+                fb = forward_batch(ForwardMode.EXTEND, [("pad", 0, [0] * n)])
+                fb.rids = None  # capture_prepare's batch carries no request ids
+                self.backend.init_forward_metadata(fb)
+                for _ in range(3):
+                    assert not self._forward(fb).isnan().any()
+
+        capture_around(capture, SimpleNamespace(model_runner=SimpleNamespace(attn_backend=self.backend)))
+        assert self.kv.free_pages() == free and not self.kv.requests  # capture touches no request state
+
+    def prefill_graph_forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """An extend / mixed batch replayed in the smallest captured token bucket: metadata from the live batch,
+        then the forward on the padded static batch, every attention layer through SGLang's breakable-graph
+        attention op (``unified_attention_with_output``: the backend sees the real tokens only)."""
+        raw = len(fb.input_ids)
+        n = min(b for b in self.prefill_buckets if b >= raw)
+        self.backend.init_forward_metadata(fb)
+        static = copy.copy(fb)
+        static.forward_mode = ForwardMode.EXTEND  # load_batch normalises MIXED
+        static.input_ids = torch.cat([fb.input_ids, fb.input_ids.new_zeros(n - raw)])
+        static.positions = torch.cat([fb.positions, fb.positions.new_zeros(n - raw)])
+        static.out_cache_loc = torch.cat([fb.out_cache_loc, fb.out_cache_loc.new_zeros(n - raw)])
+        static.num_token_non_padded_cpu = raw
+        self.prefill_replays += 1
+        with set_tc_piecewise_forward_context(static, self.layers, None, [], [], num_tokens=n, raw_num_tokens=raw):
+            return self._forward(static)[:raw]
 
     def graph_forward(self, fb: ForwardBatch) -> torch.Tensor:
         """A decode batch replayed in the smallest captured bucket: the can_run_graph hook prepares the step,
@@ -331,6 +375,8 @@ class Harness:
         fb = forward_batch(mode, rows)
         if self.graph_buckets and mode == ForwardMode.DECODE:
             logits = self.graph_forward(fb)
+        elif self.prefill_buckets and mode != ForwardMode.DECODE:
+            logits = self.prefill_graph_forward(fb)
         else:
             self.backend.init_forward_metadata(fb)
             logits = self._forward(fb)
@@ -618,7 +664,8 @@ def test_factory_builds_the_backend_from_the_runner(registry, tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"cuda_graph_config": CudaGraphConfig()}, "--cuda-graph-backend-prefill disabled"),
+    ({"cuda_graph_config": CudaGraphConfig(prefill=PhaseConfig(backend=Backend.FULL))},
+     "not 'full'; pass --cuda-graph-backend-prefill breakable or disabled"),
     ({"disable_overlap_schedule": False}, "--disable-overlap-schedule"),
     ({"tp_size": 2}, "--tp 2"),
     ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
@@ -667,6 +714,60 @@ def test_decode_cuda_graph_path_matches_eager(budget):
     assert h.kv.free_pages() + h.kv.evictable_pages() == 399 and not h.kv.requests
     assert h.kv.pool.k_buffer[0].any()  # padding rows wrote the null page, which no list reads
     check_invariants(h.kv, deep=True)
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.3])
+def test_breakable_prefill_graph_path_matches_eager(budget, monkeypatch):
+    """Extend and mixed batches through the breakable prefill-graph protocol (capture on request-less batches
+    inside the capture hook; replays padded to a token bucket, attention through SGLang's graph-break op on the
+    real tokens): every row still equals dense attention over its kept tokens and the answers equal eager."""
+    if DEV == "cpu":  # SGLang registers its attention op for CUDA only: its Python body, called directly
+        from sglang.srt.layers import radix_attention as ra
+
+        def op(query, key, value, output, save_kv_cache, layer_id, *, use_mha_companion=False, **kwargs):
+            ra._unified_attention_with_output_impl(query, key, value, output, save_kv_cache, layer_id,
+                                                   use_mha_companion, False, **kwargs)
+
+        monkeypatch.setattr(ra, "unified_attention_with_output", op)
+    model = tiny_llama(5)
+    profile = (uniform_profile(model.config, 1.0, page_size=4, heads_per_group=2, sink_tokens=2, recent_window=6)
+               if budget == 1.0 else mixed_profile(model.config, 4, 2, seed=17))
+    eager = run_conversations(Harness(model, profile, pages=400), seed=9)
+    h = Harness(model, profile, pages=400, prefill_buckets=(16, 64))
+    assert run_conversations(h, seed=9) == eager
+    assert h.prefill_replays == 3  # EXTEND [A1, B1], MIXED [A2 + B1], EXTEND [B2]
+    assert h.kv.free_pages() + h.kv.evictable_pages() == 399 and not h.kv.requests
+    check_invariants(h.kv, deep=True)
+
+
+def test_request_less_batches_are_served_only_inside_the_prefill_capture():
+    model = tiny_llama(5)
+    h = Harness(model, uniform_profile(model.config, 1.0, page_size=4, heads_per_group=2), pages=40)
+    fb = forward_batch(ForwardMode.EXTEND, [("pad", 0, [0] * 8)])
+    fb.rids = None
+    with pytest.raises(StepError, match="ForwardBatch.rids, which is missing"):
+        h.backend.init_forward_metadata(fb)
+    with h.backend.prefill_capture():
+        h.backend.init_forward_metadata(fb)
+        assert not h._forward(fb).isnan().any()
+    with pytest.raises(StepError, match="ForwardBatch.rids, which is missing"):
+        h.backend.init_forward_metadata(fb)
+
+
+def test_the_prefill_capture_hook_wraps_sglangs_runner(registry):
+    """After ``load_plugins()`` SGLang's ``PrefillCudaGraphRunner.capture`` runs inside the hook, which holds the
+    tangram backend's capture context (and leaves other backends alone)."""
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+
+    assert PrefillCudaGraphRunner.capture.__wrapped__ is not None
+    model = tiny_llama(5)
+    h = Harness(model, uniform_profile(model.config, 1.0, page_size=4, heads_per_group=2), pages=40)
+    seen = []
+    runner = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=h.backend))
+    capture_around(lambda r: seen.append(r.model_runner.attn_backend._capturing_prefill), runner)
+    other = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=object()))
+    capture_around(lambda r: seen.append("other"), other)
+    assert seen == [True, "other"] and not h.backend._capturing_prefill
 
 
 def test_graph_declines_a_step_beyond_the_arena_and_eager_reuses_it():

@@ -183,6 +183,8 @@ def test_server_specs():
         "tangram_triton_x", "/p/x.json", ["--tangram-extend-kernel", "triton"])
     assert parse_server_spec("tangram@flashinfer:/p/x.json") == (
         "tangram_flashinfer_x", "/p/x.json", ["--tangram-extend-kernel", "flashinfer"])
+    assert parse_server_spec("tangram-bcg:/p/x.json") == (
+        "tangram_flashinfer_bcg_x", "/p/x.json", ["--cuda-graph-backend-prefill", "breakable"])
     with pytest.raises(ValueError, match="expected stock"):
         parse_server_spec("stock@flashinfer:triton")
 
@@ -197,6 +199,8 @@ def test_plot_labels_are_short():
                                       "target_ratio": 0.25}) == "tangram r0.25 (triton)"
     assert bench_serving.short_label({"server": "tangram@flashinfer:/p/x.json", "label": "tangram_flashinfer_x",
                                       "target_ratio": 1.0}) == "tangram r1 (flashinfer)"
+    assert bench_serving.short_label({"server": "tangram-bcg:/p/x.json", "label": "tangram_flashinfer_bcg_x",
+                                      "target_ratio": 1.0}) == "tangram r1 (flashinfer, prefill graphs)"
 
 
 def test_prefill_chunk_rates_from_a_server_log():

@@ -234,14 +234,15 @@ def test_compaction_matches_reference(page, seg_lens, kept_counts):
 def test_pool_scatter_matches_reference(page, m):
     """Staging rows (fp32) into a half-precision pool at distinct (slot, column) places: the Triton kernel
     and its reference write the same pool, and nothing else of it."""
-    gen = torch.Generator(device="cpu").manual_seed(7)
+    gen, cpu = torch.Generator(device="cpu").manual_seed(7), "cpu"  # host draws (the default device may be CUDA)
     pages, hp, t, hkv, d = 8, 2, 11, 3, 32
-    place = torch.randperm(pages * page * hp, generator=gen)[:m]  # distinct (slot, column)
+    place = torch.randperm(pages * page * hp, generator=gen, device=cpu)[:m]  # distinct (slot, column)
     slot, column = place // hp, place % hp
-    token, head = torch.randint(0, t, (m,), generator=gen), torch.randint(0, hkv, (m,), generator=gen)
-    ks, vs = torch.randn(t, hkv, d, generator=gen), torch.randn(t, hkv, d, generator=gen)
+    token = torch.randint(0, t, (m,), generator=gen, device=cpu)
+    head = torch.randint(0, hkv, (m,), generator=gen, device=cpu)
+    ks, vs = (torch.randn(t, hkv, d, generator=gen, device=cpu) for _ in range(2))
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16
-    pool = [torch.randn(pages, hp, page, d, generator=gen).to(DEV, dt) for _ in range(2)]
+    pool = [torch.randn(pages, hp, page, d, generator=gen, device=cpu).to(DEV, dt) for _ in range(2)]
     ref = [x.clone() for x in pool]
     idx = [x.to(DEV) for x in (slot, column, token, head)]
     scatter_kv(*idx, ks.to(DEV), vs.to(DEV), *pool, block=16)

@@ -92,7 +92,8 @@ def test_engine_keywords(sglang_loaded, model_dir, profile_path):
     (("--page-size", "1"), r"--page-size 1 differs from the profile's page_size 16"),
     (("--enable-hierarchical-cache",), r"does not support --enable-hierarchical-cache"),
     (("--kv-cache-dtype", "fp8_e4m3"), r"not 'fp8_e4m3' \(quantised KV is not implemented\)"),
-    (("--cuda-graph-backend-prefill", "breakable"), r"does not support prefill CUDA graphs; --cuda-graph-backend-prefill"),
+    (("--cuda-graph-backend-prefill", "full"), r"only as breakable graphs; --cuda-graph-backend-prefill full"),
+    (("--cuda-graph-backend-prefill", "tc_piecewise"), r"--cuda-graph-backend-prefill tc_piecewise is not supported"),
 ])
 def test_incompatible_flags_fail_clearly(sglang_loaded, model_dir, profile_path, extra, message):
     from tangram_sgl.patches.server_args import KvPolicyError
@@ -169,7 +170,8 @@ def test_launch_server_help_lists_the_options():
 
 def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_dir, profile_path):
     """The registry's ``tangram`` factory on SGLang's resolved ServerArgs: the policy keeps decode CUDA graphs
-    (SGLang's default, full graphs), turns prefill graphs and overlap scheduling off, the factory builds TangramAttnBackend on the tangram pool, and settings the
+    (SGLang's default, full graphs), turns prefill graphs (unless breakable ones are asked for) and overlap
+    scheduling off, the factory builds TangramAttnBackend on the tangram pool, and settings the
     backend cannot serve are still refused by name if they reach it another way."""
     from types import SimpleNamespace
 
@@ -198,6 +200,10 @@ def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_
                 "--tangram-profile", str(profile_path), "--tangram-extend-kernel", "triton")
     backend = ATTENTION_BACKENDS["tangram"](runner(sa))
     assert isinstance(backend, TangramAttnBackend) and backend.manager is kv
+    bcg = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
+                 str(profile_path), "--cuda-graph-backend-prefill", "breakable", "--tangram-extend-kernel", "triton")
+    assert bcg.cuda_graph_config.prefill.backend == "breakable"  # opt-in: kept, and the backend serves it
+    assert isinstance(ATTENTION_BACKENDS["tangram"](runner(bcg)), TangramAttnBackend)
     overlapped = SimpleNamespace(**{**vars(sa), "disable_overlap_schedule": False})
     with pytest.raises(TangramNotServable, match="--disable-overlap-schedule"):
         ATTENTION_BACKENDS["tangram"](runner(overlapped))

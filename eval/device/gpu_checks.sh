@@ -17,7 +17,8 @@
 #   bench_r1_triton / bench_r025_triton   the same with --tangram-extend-kernel triton (the default is flashinfer)
 #   grid_stock / grid_r025 / grid_r05 / grid_r1   one server start each: the short class (4k documents) at 8, 32 and
 #           128 concurrent sessions (TTFT vs load) and the mid class (16k) at 64, a ${GRID_SECONDS:-60} s window each
-#           (GRID_CONTEXTS overrides the classes); grid_stock_nooverlap: stock with --disable-overlap-schedule
+#           (GRID_CONTEXTS overrides the classes); grid_stock_nooverlap: stock with --disable-overlap-schedule;
+#           grid_r1_bcg / grid_r025_bcg: tangram with breakable prefill CUDA graphs
 #   accuracy_qwen  eval/accuracy_server.py on Qwen2.5-Coder-0.5B (stock triton, tangram r0.5 / r0.25) on its CPU run's
 #           conversations, after qwen_join (the GGUF sent as .device-carry/qwen/partNN, one call each, in /tmp/qwen)
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
@@ -127,6 +128,10 @@ stage_grid_r025() { grid_run r025 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b
 stage_grid_r05() { grid_run r05 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.5.json; }
 stage_grid_r1() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   grid_run r1 tangram:/tmp/llama-3.1-8b.uniform.r1.0.json; }
+# the same with breakable prefill CUDA graphs (--cuda-graph-backend-prefill breakable, opt-in until measured here)
+stage_grid_r1_bcg() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
+  grid_run r1_bcg tangram-bcg:/tmp/llama-3.1-8b.uniform.r1.0.json; }
+stage_grid_r025_bcg() { grid_run r025_bcg tangram-bcg:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
 stage_soak() { soak_run all "${SOAK_MINUTES:-7}"; }
 # a 10-minute soak over two calls, back to back: the server started by soak_start outlives its call
 stage_soak_start() { soak_run start "${SOAK_MINUTES:-6.5}"; }

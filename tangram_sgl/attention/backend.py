@@ -15,8 +15,16 @@ Decode CUDA graphs (SGLang's decode graph runner, any bucket list): :meth:`init_
 ids), and :meth:`init_forward_metadata_out_graph` copies it into the static buffers. A batch the graph
 cannot take runs eagerly on the same prepared step.
 
-Not supported yet, each refused at construction with the flag to use: prefill CUDA graphs, overlap
-scheduling, tensor / pipeline / data-parallel attention, two-batch overlap, PD multiplexing, speculative
+Prefill CUDA graphs, breakable only (``--cuda-graph-backend-prefill breakable``, opt-in): SGLang captures the
+transformer body as graph segments split at every attention call, which runs eagerly at replay. So an extend
+step's metadata is the eager one (SGLang calls :meth:`init_forward_metadata` with the live batch before each
+replay) and each layer's attention is the eager :meth:`ForwardStep.attend` on the real tokens. SGLang's capture
+and warm-up forwards carry no requests: while the ``PrefillCudaGraphRunner.capture`` hook
+(``tangram_sgl.patches.prefill_graph``) holds :meth:`prefill_capture`, such a batch gets a
+:class:`CaptureExtendStep` (zeros, no cache access); anywhere else a batch without request ids is refused.
+
+Not supported yet, each refused at construction with the flag to use: full / torch.compile prefill CUDA graphs,
+overlap scheduling, tensor / pipeline / data-parallel attention, two-batch overlap, PD multiplexing, speculative
 decoding; per layer: sliding windows, logit capping, cross attention, a model that writes its own KV
 (``save_kv_cache=False``).
 """
@@ -24,6 +32,8 @@ decoding; per layer: sliding windows, logit capping, cross attention, a model th
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -33,23 +43,20 @@ from tangram_sgl.attention.batch_rows import batch_rows
 from tangram_sgl.attention.decode_graph import DecodeGraphBuffers, GraphDecodeStep
 from tangram_sgl.attention.forward_step import AttentionContext, ForwardStep
 from tangram_sgl.patches.attention_backend import TangramNotServable
+from tangram_sgl.patches.server_args import PREFILL_GRAPH_BACKENDS
 from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
 from tangram_sgl.profile import TangramProfile
 
 logger = logging.getLogger(__name__)
 
 
-def prefill_graph_error() -> TangramNotServable:
-    return TangramNotServable("--kv-policy tangram: the tangram attention backend does not support prefill CUDA "
-                              "graphs (extend steps score and compact on the host); pass "
-                              "--cuda-graph-backend-prefill disabled")
-
-
 def check_server_args(sa: Any) -> None:
     """Raise :class:`TangramNotServable` naming the flag for every setting this backend cannot serve."""
     graphs = sa.cuda_graph_config
-    if graphs is not None and graphs.prefill.backend != "disabled":
-        raise prefill_graph_error()
+    if graphs is not None and graphs.prefill.backend not in PREFILL_GRAPH_BACKENDS:
+        raise TangramNotServable(f"--kv-policy tangram: prefill CUDA graphs run only as breakable graphs (attention "
+                                 f"eager between captured segments), not {graphs.prefill.backend!r}; pass "
+                                 f"--cuda-graph-backend-prefill breakable or disabled")
     if not sa.disable_overlap_schedule:
         raise TangramNotServable("--kv-policy tangram: the tangram attention backend needs the decoded token ids "
                                  "on the host when a step starts; pass --disable-overlap-schedule")
@@ -64,6 +71,17 @@ def check_server_args(sa: Any) -> None:
             raise TangramNotServable(f"--kv-policy tangram does not support {flag}")
     if getattr(sa, "speculative_algorithm", None) is not None:
         raise TangramNotServable("--kv-policy tangram does not support speculative decoding")
+
+
+class CaptureExtendStep:
+    """The step of a forward without requests (SGLang's prefill-graph capture and warm-up): attention gives
+    zeros of the query's shape and nothing is read from or written to the cache."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.zeros_like(q)
+
+    def commit(self) -> None:
+        pass
 
 
 class TangramAttnBackend(AttentionBackend):
@@ -89,7 +107,8 @@ class TangramAttnBackend(AttentionBackend):
         if self.context.flashinfer_extend is not None:
             logger.info("tangram: extend attention runs through FlashInfer (--tangram-extend-kernel flashinfer)")
         self.num_layers = self.manager.layout.num_layers
-        self.step: ForwardStep | GraphDecodeStep | None = None
+        self.step: ForwardStep | GraphDecodeStep | CaptureExtendStep | None = None
+        self._capturing_prefill = False  # inside SGLang's prefill-graph capture (see prefill_capture)
         self.graph: DecodeGraphBuffers | None = None
         self._prepared: tuple[Any, ForwardStep] | None = None  # (live batch, its step) from prepare_graph_step
         self._checked_layers: set[int] = set()
@@ -105,6 +124,8 @@ class TangramAttnBackend(AttentionBackend):
         prepared, self._prepared = self._prepared, None
         if forward_batch.forward_mode.is_idle():
             self.step = None
+        elif self._capturing_prefill and forward_batch.rids is None and forward_batch.forward_mode.is_extend():
+            self.step = CaptureExtendStep()
         elif prepared is not None and prepared[0] is forward_batch:
             self.step = prepared[1]
         else:
@@ -145,8 +166,14 @@ class TangramAttnBackend(AttentionBackend):
                                f"{len(prepared[1].rows)}")
         self.step = self.graph.load(prepared[1], bs)
 
-    def init_forward_metadata_for_breakable_cuda_graph_capture(self, forward_batch: Any) -> None:
-        raise prefill_graph_error()
+    @contextmanager
+    def prefill_capture(self) -> Iterator[None]:
+        """While SGLang captures prefill graphs: its request-less extend batches get a :class:`CaptureExtendStep`."""
+        self._capturing_prefill = True
+        try:
+            yield
+        finally:
+            self._capturing_prefill = False
 
     # ------------------------------------------------------------------ per layer
     def _check_layer(self, layer: Any, save_kv_cache: bool) -> None:
