@@ -15,6 +15,7 @@
 #           another class): stock flashinfer; tangram at r0.25, 1.0, 0.5;
 #           merge the returned JSONs here with `python eval/bench_serving.py --merge ...`
 #   bench_r1_triton / bench_r025_triton   the same with --tangram-extend-kernel triton (the default is flashinfer)
+#   smoke_bcg  the serving smoke with breakable prefill CUDA graphs (--cuda-graph-backend-prefill breakable)
 #   grid_stock / grid_r025 / grid_r05 / grid_r1   one server start each: the short class (4k documents) at 8, 32 and
 #           128 concurrent sessions (TTFT vs load) and the mid class (16k) at 64, a ${GRID_SECONDS:-60} s window each
 #           (GRID_CONTEXTS overrides the classes); grid_stock_nooverlap: stock with --disable-overlap-schedule;
@@ -90,6 +91,7 @@ stage_exact1() { uniform_r1 "$SMOL" /tmp/smollm2.uniform.r1.0.p1.json 1; NAME=ex
 # the bf16 noise floor between two correct stock backends
 stage_floor() { NAME=exactness_smollm2_floor exact_runs stock:triton stock:flashinfer; }
 stage_smoke_eager() { SMOKE_LABEL=llama8b_dummy_r0.25_eager SMOKE_EXTRA="--cuda-graph-backend-decode disabled" stage_smoke; }
+stage_smoke_bcg() { SMOKE_LABEL=llama8b_dummy_r0.25_bcg SMOKE_EXTRA="--cuda-graph-backend-prefill breakable" stage_smoke; }
 # serving throughput, dummy Llama-3.1-8B, one server per call (a start costs 2 min; stock's first ~4 min: FlashInfer
 # JIT and prefill-graph capture)
 stage_bench_stock() { bench_run stock stock:flashinfer; }
