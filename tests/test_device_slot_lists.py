@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from test_pool_support import L, decode, prefill, token_kv, toy_manager
 
@@ -143,3 +144,33 @@ def test_invariant_checker_catches_a_stale_device_list():
     mgr.device_lists.mirrors["ghost"] = mgr.device_lists.mirrors["a"]
     with pytest.raises(AssertionError, match="not running"):
         check_invariants(mgr)
+
+
+def test_mirror_table_grows_and_reuses_rows():
+    """Forty mirrored requests outgrow the mirrors' table twice (16 -> 32 -> 64 rows; every mirror's views
+    follow), finished requests give their rows to new ones, and every decode step still reads the host lists."""
+    mgr = toy_manager(3000)
+    rng = random.Random(7)
+    rids = list(range(40))
+    for rid in rids:
+        toks = [rng.randrange(1, 50) for _ in range(rng.randrange(3, 12))]
+        mgr.admit(rid, toks)
+        prefill(mgr, rid, toks, decode_tokens=6)
+    for _ in range(2):
+        ranges = _decode_step(mgr, rids, rng)
+        _assert_ranges_are_the_lists(mgr, rids, ranges)
+    dl = mgr.device_lists
+    assert dl._table.shape[1] == 64 and len({m.row for m in dl.mirrors.values()}) == 40
+    for m in dl.mirrors.values():  # each mirror's views are its row of the current table (appends included)
+        assert np.shares_memory(m.lens, dl._table) and (m.lens == dl._table[2, m.row]).all()
+    for rid in rids[:10]:
+        mgr.finish(rid)
+    for rid in range(40, 50):
+        toks = [rng.randrange(1, 50) for _ in range(5)]
+        mgr.admit(rid, toks)
+        prefill(mgr, rid, toks, decode_tokens=6)
+    live = list(range(10, 50))
+    ranges = _decode_step(mgr, live, rng)
+    _assert_ranges_are_the_lists(mgr, live, ranges)
+    assert dl._table.shape[1] == 64 and len({m.row for m in dl.mirrors.values()}) == 40  # rows reused
+    check_invariants(mgr, deep=True)

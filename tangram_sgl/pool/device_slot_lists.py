@@ -73,12 +73,14 @@ class RangeAllocator:
 
 @dataclass
 class SlotMirror:
-    """One request's block of the arena: per group a region start, capacity and mirrored length (int64
-    ``[G]`` arrays, so a decode step's bookkeeping is a few array operations per request); ``version`` and
-    ``tokens``: the request's list version and token count when the mirror was last synced."""
+    """One request's block of the arena: per group a region start, capacity and mirrored length (int64 ``[G]``
+    views of row ``row`` of the owner's mirror table, so a decode step's bookkeeping is a few array operations
+    for the whole batch); ``version`` and ``tokens``: the request's list version and token count when the
+    mirror was last synced."""
 
     block: int
     size: int
+    row: int
     starts: np.ndarray
     caps: np.ndarray
     lens: np.ndarray
@@ -94,6 +96,8 @@ class DeviceSlotLists:
         self.arena = torch.zeros(capacity, dtype=torch.int32, device=device)
         self.ranges = RangeAllocator(capacity)
         self.mirrors: dict[Hashable, SlotMirror] = {}
+        self._table = np.zeros((3, 0, num_groups), dtype=np.int64)  # (starts, caps, lens) x mirror row x group
+        self._free_rows: list[int] = []
 
     @property
     def capacity(self) -> int:
@@ -104,15 +108,35 @@ class DeviceSlotLists:
         """Arena entries held by mirrors' blocks."""
         return self.capacity - self.ranges.free_total
 
-    def current(self, rid: Hashable, version: int, tokens: int) -> bool:
-        """Whether ``rid``'s mirror is synced to list version ``version`` at ``tokens`` tokens."""
-        m = self.mirrors.get(rid)
-        return m is not None and m.version == version and m.tokens == tokens
+    def in_step(self, rids: Sequence[Hashable], versions: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """Per row, whether the mirror of ``rids[r]`` can serve a decode step at ``tokens[r]`` tokens (the new
+        token included) without an upload: synced to list version ``versions[r]`` at ``tokens[r]`` tokens, or
+        at one fewer with room in every region for the new token's slot (:meth:`append`)."""
+        ready = np.zeros(len(rids), dtype=bool)
+        behind, rows = [], []
+        for r, (rid, version, n) in enumerate(zip(rids, versions, tokens)):
+            m = self.mirrors.get(rid)
+            if m is None or m.version != version:
+                continue
+            if m.tokens == n:
+                ready[r] = True
+            elif m.tokens == n - 1:
+                behind.append(r)
+                rows.append(m.row)
+        if behind:
+            ready[behind] = (self._table[2, rows] < self._table[1, rows]).all(axis=1)
+        return ready
 
-    def can_append(self, rid: Hashable) -> bool:
-        """Whether every region of ``rid`` has room for one more entry."""
-        m = self.mirrors[rid]
-        return bool((m.lens < m.caps).all())
+    def _take_row(self) -> int:
+        if not self._free_rows:  # grow the table; the mirrors' row views move with it
+            old = self._table.shape[1]
+            table = np.zeros((3, max(16, 2 * old), self.num_groups), dtype=np.int64)
+            table[:, :old] = self._table
+            self._table = table
+            self._free_rows = list(range(table.shape[1] - 1, old - 1, -1))
+            for m in self.mirrors.values():
+                m.starts, m.caps, m.lens = self._table[:, m.row]
+        return self._free_rows.pop()
 
     def upload(self, rid: Hashable, lens: Sequence[int], slots: torch.Tensor, room: Sequence[int], version: int,
                tokens: int) -> bool:
@@ -138,25 +162,29 @@ class DeviceSlotLists:
             dev = self.arena.device
             shift, count = torch.from_numpy(np.stack([starts - src, lens])).to(dev, non_blocking=True)
             self.arena[piece_positions(shift, count, total)] = slots.to(dev, torch.int32)
-        self.mirrors[rid] = SlotMirror(block, size, starts, caps, lens, version, tokens)
+        row = self._take_row()
+        self._table[:, row] = (starts, caps, lens)
+        self.mirrors[rid] = SlotMirror(block, size, row, *self._table[:, row], version, tokens)
         return True
+
+    def _rows(self, rids: Sequence[Hashable]) -> np.ndarray:
+        return np.fromiter((self.mirrors[rid].row for rid in rids), dtype=np.int64, count=len(rids))
 
     def append(self, rids: Sequence[Hashable], token_slots: torch.Tensor) -> None:
         """Append row r's slot ``token_slots[r, g]`` (device ``[R, G]``) to each group's list of ``rids[r]``
-        (every region must have room: :meth:`can_append`)."""
-        mirrors = [self.mirrors[rid] for rid in rids]
-        pos = np.concatenate([m.starts + m.lens for m in mirrors])
-        for m in mirrors:
-            m.lens = m.lens + 1
-            m.tokens += 1
+        (distinct requests; every region must have room: :meth:`in_step`)."""
+        rows = self._rows(rids)
+        pos = (self._table[0, rows] + self._table[2, rows]).reshape(-1)
+        self._table[2, rows] += 1
+        for rid in rids:
+            self.mirrors[rid].tokens += 1
         idx = torch.from_numpy(pos).to(self.arena.device, non_blocking=True)
         self.arena[idx] = token_slots.reshape(-1).to(torch.int32)
 
     def ranges_of(self, rids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
         """Host int32 ``(starts [R*G], lens [R*G])`` of the mirrored lists of ``rids``, row-major."""
-        mirrors = [self.mirrors[rid] for rid in rids]
-        return tuple(torch.from_numpy(np.concatenate([getattr(m, f) for m in mirrors]).astype(np.int32))
-                     for f in ("starts", "lens"))
+        rows = self._rows(rids)
+        return tuple(torch.from_numpy(self._table[f, rows].reshape(-1).astype(np.int32)) for f in (0, 2))
 
     def read(self, rid: Hashable, g: int) -> torch.Tensor:
         """Host copy of ``rid``'s mirrored list of group ``g`` (for the invariant checker)."""
@@ -166,9 +194,12 @@ class DeviceSlotLists:
     def drop(self, rid: Hashable) -> None:
         """Forget ``rid``'s mirror and free its block (no-op when it has none)."""
         m = self.mirrors.pop(rid, None)
-        if m is not None and m.size:
-            self.ranges.free(m.block, m.size)
+        if m is not None:
+            self._free_rows.append(m.row)
+            if m.size:
+                self.ranges.free(m.block, m.size)
 
     def clear(self) -> None:
         self.mirrors.clear()
         self.ranges.reset()
+        self._free_rows = list(range(self._table.shape[1] - 1, -1, -1))

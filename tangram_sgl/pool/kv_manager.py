@@ -406,23 +406,25 @@ class TangramKVManager:
             for (req, g), p in zip(short, self.pool.allocator.alloc(len(short))):
                 req.spare[g].append(p)
         ps = self.page_size
-        out = np.empty((len(reqs), self.num_groups), dtype=np.int64)
+        rows, offs = [], np.empty(len(reqs), dtype=np.int64)
         for r, (req, token_id) in enumerate(zip(reqs, token_ids)):
             if req.decode is None:
                 req.decode = Segment(len(req.token_ids), [], True, [GroupSlots() for _ in range(self.num_groups)])
             n = req.decode.n  # every group keeps every decoded token: one length for all groups
-            off = n % ps
-            if off == 0:  # a new page per group (a new decode segment starts here too, at n = 0)
+            offs[r] = n % ps
+            if offs[r] == 0:  # a new page per group (a new decode segment starts here too, at n = 0)
                 for g, gs in enumerate(req.decode.groups):
                     gs.pages.append(req.spare[g].pop(0))
                 req.decode_page_row = np.fromiter((gs.pages[-1] for gs in req.decode.groups), np.int64,
                                                   self.num_groups) * ps
-            out[r] = req.decode_page_row + off
+            rows.append(req.decode_page_row)
             for gs in req.decode.groups:
                 gs.length = n + 1
             req.decode.token_ids.append(int(token_id))
             req.token_ids.append(int(token_id))
-        return torch.from_numpy(out)
+        if not rows:
+            return torch.empty((0, self.num_groups), dtype=torch.int64)
+        return torch.from_numpy(np.stack(rows) + offs[:, None])
 
     def _decode_groups(self, req: RequestKV) -> list[GroupSlots]:
         return req.decode.groups if req.decode is not None else [GroupSlots()] * self.num_groups
@@ -508,21 +510,23 @@ class TangramKVManager:
         when the arena cannot hold the batch's lists (the caller then uses :meth:`slot_lists`)."""
         dl = self.device_lists
         reqs = [self.requests[rid] for rid in rids]
+        versions = [req.version for req in reqs]
+        tokens = [len(req.token_ids) for req in reqs]
         for _ in range(2):  # an upload may clear a fragmented arena: a second pass restores the lost rows
-            for req in reqs:
-                n = len(req.token_ids)
-                if dl.current(req.rid, req.version, n) or (
-                        dl.current(req.rid, req.version, n - 1) and dl.can_append(req.rid)):
-                    continue
+            for r in np.flatnonzero(~dl.in_step(rids, versions, tokens)):
+                req = reqs[r]
                 indptr, slots = self.slot_lists([req.rid], self.pool.device)
-                if not dl.upload(req.rid, indptr.diff().tolist(), slots, self._decode_room(req), req.version, n):
+                if not dl.upload(req.rid, indptr.diff().tolist(), slots, self._decode_room(req), req.version,
+                                 tokens[r]):
                     return None
-            if all(req.rid in dl.mirrors for req in reqs):
+            if all(rid in dl.mirrors for rid in rids):
                 break
         else:
             return None
-        fast = [r for r, req in enumerate(reqs) if dl.mirrors[req.rid].tokens == len(req.token_ids) - 1]
-        if fast:
+        fast = [r for r, (rid, n) in enumerate(zip(rids, tokens)) if dl.mirrors[rid].tokens == n - 1]
+        if len(fast) == len(rids):
+            dl.append(rids, token_slots)
+        elif fast:
             dl.append([rids[r] for r in fast], token_slots[fast])
         return dl.ranges_of(rids)
 
