@@ -37,7 +37,13 @@ import torch
 import triton
 import triton.testing
 from results_io import summary_row
-from tangram_sgl.kernels.decode import csr_ranges, launch_order, paged_decode, paged_decode_torch
+from tangram_sgl.kernels.decode import (
+    DECODE_CONFIG,
+    csr_ranges,
+    launch_order,
+    paged_decode,
+    paged_decode_torch,
+)
 from tangram_sgl.kernels.flashinfer_decode import (
     StoredPlanDecode,
     pool_as_single_head_pages,
@@ -410,8 +416,9 @@ def main() -> None:
     ap.add_argument("--budgets", default="1.0,0.5,0.25")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, interpreter, no FlashInfer")
     ap.add_argument("--no-tune", action="store_true",
-                    help="skip tuning; use --triton-config (default: the best config of the first H200 tune)")
-    ap.add_argument("--triton-config", default="128,4,2", help="block_n,num_warps,num_stages with --no-tune")
+                    help="skip tuning; use --triton-config")
+    ap.add_argument("--triton-config", default=",".join(map(str, DECODE_CONFIG)),
+                    help="block_n,num_warps,num_stages with --no-tune (default: the kernel's own, as serving runs it)")
     ap.add_argument("--no-flashinfer", action="store_true", help="time the Triton kernel only")
     ap.add_argument("--study-targets", default=f"{DEFAULT_TARGET_CTAS // 4},{DEFAULT_TARGET_CTAS // 2},"
                     f"{DEFAULT_TARGET_CTAS},{2 * DEFAULT_TARGET_CTAS}",

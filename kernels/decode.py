@@ -124,6 +124,12 @@ def _decode_merge_kernel(
         tl.store(O + r * stride_ob + q * stride_oh + offs_d, out.to(O.dtype.element_ty))
 
 
+# (block_n, num_warps, num_stages) of the split kernel: the H200 tune's pick (eval/results/bench_kernels.json, the
+# kernel of 2026-12-02, anchor + a budget-1.0 shape: 0.48 ms, where (64, 4, 2) took 1.16 ms); benchmarks and serving
+# both run it
+DECODE_CONFIG = (128, 4, 2)
+
+
 def launch_order(head_budget: Sequence[float]) -> list[int]:
     """kv heads of a layer by descending (group) budget, ties by index: the ``head_order`` to launch with."""
     return sorted(range(len(head_budget)), key=lambda h: (-head_budget[h], h))
@@ -160,9 +166,9 @@ def paged_decode(
     max_splits: int,
     min_split_tokens: int,
     sm_scale: float,
-    block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    block_n: int = DECODE_CONFIG[0],
+    num_warps: int = DECODE_CONFIG[1],
+    num_stages: int = DECODE_CONFIG[2],
 ) -> torch.Tensor:
     """Decode attention of one layer over the head-group page pool; returns ``[B, Hq, D]`` like ``q``.
 
