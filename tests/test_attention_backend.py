@@ -699,21 +699,28 @@ def test_synthetic_profile_serves_with_snapkv_selection():
     assert type(ctx.scorer.scorer).__name__ == "SnapKVScorer"
 
 
+def _graph_conversations_match_eager(budget: float, **graphs) -> Harness:
+    """The two-turn conversations through a harness with ``graphs`` (its graph buckets) give the eager answers,
+    every row checked against dense attention on the way; the harness, after the final invariant check."""
+    model = tiny_llama(5)
+    profile = (uniform_profile(model.config, 1.0, page_size=4, heads_per_group=2, sink_tokens=2, recent_window=6)
+               if budget == 1.0 else mixed_profile(model.config, 4, 2, seed=17))
+    eager = run_conversations(Harness(model, profile, pages=400), seed=9)
+    h = Harness(model, profile, pages=400, **graphs)
+    assert run_conversations(h, seed=9) == eager
+    assert h.kv.free_pages() + h.kv.evictable_pages() == 399 and not h.kv.requests
+    check_invariants(h.kv, deep=True)
+    return h
+
+
 @pytest.mark.parametrize("budget", [1.0, 0.3])
 def test_decode_cuda_graph_path_matches_eager(budget):
     """Decode through the CUDA-graph protocol (capture on padding rows, can_run_graph hook, replay view with
     padding): every row still equals dense attention over its kept tokens, the answers equal the eager
     backend's, and every replay reads the tensors its bucket captured."""
-    model = tiny_llama(5)
-    profile = (uniform_profile(model.config, 1.0, page_size=4, heads_per_group=2, sink_tokens=2, recent_window=6)
-               if budget == 1.0 else mixed_profile(model.config, 4, 2, seed=17))
-    eager = run_conversations(Harness(model, profile, pages=400), seed=9)
-    h = Harness(model, profile, pages=400, graph_buckets=(1, 4))
-    assert run_conversations(h, seed=9) == eager
+    h = _graph_conversations_match_eager(budget, graph_buckets=(1, 4))
     assert h.graph_replays == 3 + 3 + 2  # the decode-only steps (mixed batches stay eager)
-    assert h.kv.free_pages() + h.kv.evictable_pages() == 399 and not h.kv.requests
     assert h.kv.pool.k_buffer[0].any()  # padding rows wrote the null page, which no list reads
-    check_invariants(h.kv, deep=True)
 
 
 @pytest.mark.parametrize("budget", [1.0, 0.3])
@@ -729,15 +736,8 @@ def test_breakable_prefill_graph_path_matches_eager(budget, monkeypatch):
                                                    use_mha_companion, False, **kwargs)
 
         monkeypatch.setattr(ra, "unified_attention_with_output", op)
-    model = tiny_llama(5)
-    profile = (uniform_profile(model.config, 1.0, page_size=4, heads_per_group=2, sink_tokens=2, recent_window=6)
-               if budget == 1.0 else mixed_profile(model.config, 4, 2, seed=17))
-    eager = run_conversations(Harness(model, profile, pages=400), seed=9)
-    h = Harness(model, profile, pages=400, prefill_buckets=(16, 64))
-    assert run_conversations(h, seed=9) == eager
+    h = _graph_conversations_match_eager(budget, prefill_buckets=(16, 64))
     assert h.prefill_replays == 3  # EXTEND [A1, B1], MIXED [A2 + B1], EXTEND [B2]
-    assert h.kv.free_pages() + h.kv.evictable_pages() == 399 and not h.kv.requests
-    check_invariants(h.kv, deep=True)
 
 
 def test_request_less_batches_are_served_only_inside_the_prefill_capture():
