@@ -173,7 +173,9 @@ def host_time_ms(fn: Callable[[], object], reps: int = 15) -> float:
 
 
 def run_config(shape: Shape, profile: TangramProfile, batch: int, context: int, dev: str, tune: tuple[int, int, int],
-               with_flashinfer: bool, gen: torch.Generator, extra_tc: bool) -> dict:
+               with_flashinfer: bool, gen: torch.Generator, extra_tc: bool, ours_cache: bool = True) -> dict:
+    """One (batch, context, budget) case: our kernel, and with ``with_flashinfer`` FlashInfer on the uncompressed
+    cache, plus (``ours_cache``) FlashInfer plan()+run and stored plans on the same compressed cache."""
     c = build_cache(shape, profile, batch, context, dev, gen)
     D = shape.head_dim
     q = torch.randn(batch, shape.hq, D, device=dev, dtype=c.k.dtype)
@@ -206,7 +208,8 @@ def run_config(shape: Shape, profile: TangramProfile, batch: int, context: int, 
         res["max_abs_err_vs_torch"] = float((out.float() - ref.float()).abs().max())
     if with_flashinfer:
         try:
-            res.update(flashinfer_baselines(shape, c, q, out, splits, splits_row, table, scale, extra_tc))
+            if ours_cache:
+                res.update(flashinfer_baselines(shape, c, q, out, splits, splits_row, table, scale, extra_tc))
         except Exception as e:  # noqa: BLE001 - recorded in the results, the sweep goes on
             res["flashinfer_error"] = f"{type(e).__name__}: {e}"[:500]
         del c
@@ -420,6 +423,11 @@ def main() -> None:
     ap.add_argument("--triton-config", default=",".join(map(str, DECODE_CONFIG)),
                     help="block_n,num_warps,num_stages with --no-tune (default: the kernel's own, as serving runs it)")
     ap.add_argument("--no-flashinfer", action="store_true", help="time the Triton kernel only")
+    ap.add_argument("--fi-baselines", choices=("all", "uncompressed"), default="all",
+                    help="FlashInfer comparisons: all (plan()+run and stored plans on our cache, and the uncompressed "
+                         "cache) or only the uncompressed cache (stock SGLang's decode; each FlashInfer kernel variant "
+                         "is a JIT compile of minutes on a fresh machine)")
+    ap.add_argument("--no-anchor", action="store_true", help="do not measure the anchor first (when not in the grid)")
     ap.add_argument("--study-targets", default=f"{DEFAULT_TARGET_CTAS // 4},{DEFAULT_TARGET_CTAS // 2},"
                     f"{DEFAULT_TARGET_CTAS},{2 * DEFAULT_TARGET_CTAS}",
                     help="CTA targets of the AOT-table study at the study points ('' skips the study)")
@@ -469,7 +477,7 @@ def main() -> None:
     print("AOT table CTA target of the main configs:", target_ctas, flush=True)
     write_results(out, shape, {}, tune, study, target_ctas, [])  # a run cut short keeps the study
     configs = [(b, n, m) for m in budgets for n in contexts for b in batches]
-    if not args.tiny:  # the anchor first, so a run cut short still has it
+    if not (args.tiny or args.no_anchor):  # the anchor first, so a run cut short still has it
         configs = [ANCHOR] + [cfg for cfg in configs if cfg != ANCHOR]
     fi_columns: dict[tuple, dict] = {}
     if args.fi_from:
@@ -479,7 +487,8 @@ def main() -> None:
     results: list[dict] = []
     profiles = {m: synthetic_profile(shape, m, target_ctas) for m in {c[2] for c in configs}}
     for b, n, m in tqdm(configs, desc="configs"):
-        r = run_config(shape, profiles[m], b, n, dev, tuple(tune["best"]), with_fi, gen, extra_tc=(b, n, m) == ANCHOR)
+        r = run_config(shape, profiles[m], b, n, dev, tuple(tune["best"]), with_fi, gen, extra_tc=(b, n, m) == ANCHOR,
+                       ours_cache=args.fi_baselines == "all")
         r.update(fi_columns.get((b, n, m), {}))
         results.append(r)
         print(json.dumps({k: (round(x, 4) if isinstance(x, float) else x) for k, x in r.items() if k != "kept_tokens_per_head"}), flush=True)

@@ -149,8 +149,9 @@ stage_kernels() { (cd /tmp && timeout 580 python3 "$R"/eval/bench_kernels.py --n
   --batches 16,32,64 --contexts 32768,65536 --out "$OUT"/bench_kernels_study.json 2>&1 | tail -30); }
 # the short class's decode shapes (4k contexts, 32 and 128 rows) against FlashInfer on the same and the full cache:
 # serving there showed 8.3 ms of decode attention for 17 GB kept (r0.25, 128 x 4k), ~43 % of the roofline
-stage_kernels_short() { (cd /tmp && timeout 400 python3 "$R"/eval/bench_kernels.py --no-tune --study-targets '' \
-  --batches 32,128 --contexts 4096 --budgets 1.0,0.25 --out "$OUT"/bench_kernels_short.json 2>&1 | tail -30); }
+stage_kernels_short() { (cd /tmp && timeout 560 python3 "$R"/eval/bench_kernels.py --no-tune --study-targets '' \
+  --no-anchor --fi-baselines uncompressed --batches 32,128 --contexts 4096 --budgets 1.0,0.25 \
+  --out "$OUT"/bench_kernels_short.json 2>&1 | tail -30); }
 stage_extend() { (cd /tmp && timeout 540 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 # the GPU server's accuracy vs the CPU reference run, same conversations (after `smol`; ~3 min per server)
 stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \
