@@ -108,7 +108,7 @@ class DeviceSlotLists:
         """Arena entries held by mirrors' blocks."""
         return self.capacity - self.ranges.free_total
 
-    def in_step(self, rids: Sequence[Hashable], versions: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+    def ready_for_step(self, rids: Sequence[Hashable], versions: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """Per row, whether the mirror of ``rids[r]`` can serve a decode step at ``tokens[r]`` tokens (the new
         token included) without an upload: synced to list version ``versions[r]`` at ``tokens[r]`` tokens, or
         at one fewer with room in every region for the new token's slot (:meth:`append`)."""
@@ -172,7 +172,7 @@ class DeviceSlotLists:
 
     def append(self, rids: Sequence[Hashable], token_slots: torch.Tensor) -> None:
         """Append row r's slot ``token_slots[r, g]`` (device ``[R, G]``) to each group's list of ``rids[r]``
-        (distinct requests; every region must have room: :meth:`in_step`)."""
+        (distinct requests; every region must have room: :meth:`ready_for_step`)."""
         rows = self._rows(rids)
         pos = (self._table[0, rows] + self._table[2, rows]).reshape(-1)
         self._table[2, rows] += 1

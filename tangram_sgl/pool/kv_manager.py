@@ -513,7 +513,7 @@ class TangramKVManager:
         versions = [req.version for req in reqs]
         tokens = [len(req.token_ids) for req in reqs]
         for _ in range(2):  # an upload may clear a fragmented arena: a second pass restores the lost rows
-            for r in np.flatnonzero(~dl.in_step(rids, versions, tokens)):
+            for r in np.flatnonzero(~dl.ready_for_step(rids, versions, tokens)):
                 req = reqs[r]
                 indptr, slots = self.slot_lists([req.rid], self.pool.device)
                 if not dl.upload(req.rid, indptr.diff().tolist(), slots, self._decode_room(req), req.version,
