@@ -207,11 +207,11 @@ def run_config(shape: Shape, profile: TangramProfile, batch: int, context: int, 
         ref = paged_decode_torch(q, c.k, c.v, *csr_ranges(c.kv_indptr), c.kv_indices, c.head_group, c.head_column, sm_scale=scale)
         res["max_abs_err_vs_torch"] = float((out.float() - ref.float()).abs().max())
     if with_flashinfer:
-        try:
-            if ours_cache:
+        if ours_cache:
+            try:
                 res.update(flashinfer_baselines(shape, c, q, out, splits, splits_row, table, scale, extra_tc))
-        except Exception as e:  # noqa: BLE001 - recorded in the results, the sweep goes on
-            res["flashinfer_error"] = f"{type(e).__name__}: {e}"[:500]
+            except Exception as e:  # noqa: BLE001 - recorded in the results, the sweep goes on
+                res["flashinfer_error"] = f"{type(e).__name__}: {e}"[:500]
         del c
         torch.cuda.empty_cache()
         try:

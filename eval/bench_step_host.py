@@ -64,13 +64,22 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def timed(dev: torch.device, fn) -> tuple[float, object]:
-    """(milliseconds, result) of ``fn()`` with the device idle before and after."""
+def timed(dev: torch.device, fn, profile_to: Path | None = None) -> tuple[float, object]:
+    """(milliseconds, result) of ``fn()`` with the device idle before and after; with ``profile_to``, ``fn`` runs
+    under cProfile and its top functions go to that file (:func:`write_profile`)."""
+    prof = cProfile.Profile() if profile_to is not None else None
     sync(dev)
     t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
     out = fn()
+    if prof is not None:
+        prof.disable()
     sync(dev)
-    return (time.perf_counter() - t0) * 1e3, out
+    ms = (time.perf_counter() - t0) * 1e3
+    if prof is not None:
+        write_profile(prof, profile_to)
+    return ms, out
 
 
 def pool_pages(layout: HeadGroupLayout, profile, requests: int, context: int, chunk: int, extra: int) -> int:
@@ -175,24 +184,14 @@ def main(argv: list[str] | None = None) -> int:
             for rid in batch:
                 kv.reserve(rid, [3] * question)
             rows = [StepRow(rid, len(kv.requests[rid].token_ids) - question, question, False) for rid in batch]
-            prof = cProfile.Profile() if i == 3 else None
-            if prof is not None:  # the profiled batch's metadata
-                prof.enable()
-            ms, step = timed(dev, lambda rows=rows: ctx.step(rows, []))
+            stem = f"{a.name}_extend{question}" if i == 3 else None  # the profiled batch
+            ms, step = timed(dev, lambda rows=rows: ctx.step(rows, []), stem and a.out / f"{stem}_host.prof.txt")
             host_times.append(ms)
-            if prof is not None:
-                prof.disable()
-                write_profile(prof, a.out / f"{a.name}_extend{question}_host.prof.txt")
             qe = torch.randn(len(batch) * question, hq, d, generator=gen, device=dev, dtype=kv.pool.k_buffer.dtype)
             ke = torch.randn(len(batch) * question, lay.num_kv_heads, d, generator=gen, device=dev, dtype=qe.dtype)
-            prof = cProfile.Profile() if i == 3 else None
-            if prof is not None:  # the profiled batch's layers
-                prof.enable()
             layer_times.append(timed(dev, lambda step=step, qe=qe, ke=ke: (
-                [step.attend(layer, qe, ke, ke, scale) for layer in range(lay.num_layers)], step.commit()))[0])
-            if prof is not None:
-                prof.disable()
-                write_profile(prof, a.out / f"{a.name}_extend{question}.prof.txt")
+                [step.attend(layer, qe, ke, ke, scale) for layer in range(lay.num_layers)], step.commit()),
+                stem and a.out / f"{stem}.prof.txt")[0])
         extend[question] = {"host_ms": host_times[2], "layers_ms": layer_times[2],
                             "first_full_batch_layers_ms": layer_times[1], "compressed": bool(step.compressed)}
 

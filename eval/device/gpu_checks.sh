@@ -147,8 +147,9 @@ soak_run() {
 stage_kernels() { (cd /tmp && timeout 580 python3 "$R"/eval/bench_kernels.py --no-flashinfer \
   --fi-from "$R"/eval/results/bench_kernels_aot2.json --study-targets 264,528,792,1056,1584 --target-ctas best \
   --batches 16,32,64 --contexts 32768,65536 --out "$OUT"/bench_kernels_study.json 2>&1 | tail -30); }
-# the short class's decode shapes (4k contexts, 32 and 128 rows) against FlashInfer on the same and the full cache:
-# serving there showed 8.3 ms of decode attention for 17 GB kept (r0.25, 128 x 4k), ~43 % of the roofline
+# the short class's decode shapes (4k contexts, 32 and 128 rows) against FlashInfer on the uncompressed cache (stock's
+# decode; the FlashInfer paths on our cache would each cost a JIT compile): serving there showed 8.3-10.9 ms of
+# decode attention for 17 GB kept (r0.25, 128 x 4k), 33-43 % of the roofline
 stage_kernels_short() { (cd /tmp && timeout 560 python3 "$R"/eval/bench_kernels.py --no-tune --study-targets '' \
   --no-anchor --fi-baselines uncompressed --batches 32,128 --contexts 4096 --budgets 1.0,0.25 \
   --out "$OUT"/bench_kernels_short.json 2>&1 | tail -30); }
