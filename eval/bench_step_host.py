@@ -5,7 +5,8 @@ sessions of ``--context`` tokens prefilled in ``--chunk``-token segments through
 SGLang backend makes, then times, per step:
 
 - decode: building the ``ForwardStep`` (rows -> requests, decode slots, the device slot lists appended in
-  place) on the host, and the attention of every layer on the GPU (token K/V write + split-KV decode);
+  place) on the host, and the attention of every layer on the GPU (token K/V write + split-KV decode), timed
+  as eager launches and (CUDA) as a CUDA-graph replay of the last step, which is how serving runs decode;
   beside it, what the previous design cost: rebuilding every (request, group) slot list on the host and
   copying it to the device (``TangramKVManager.slot_lists``);
 - extend: one question per session as one extend batch (host metadata, then per layer the extend kernel +
@@ -80,6 +81,26 @@ def timed(dev: torch.device, fn, profile_to: Path | None = None) -> tuple[float,
     if prof is not None:
         write_profile(prof, profile_to)
     return ms, out
+
+
+def graph_replay_ms(fn, replays: int = 10) -> float:
+    """Milliseconds per replay of ``fn`` captured in a CUDA graph: the device time a graph-captured step
+    (as serving's decode) spends, without the per-launch host cost an eager loop adds."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # SGLang's capture protocol: one run on a side stream before capturing
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / replays
 
 
 def pool_pages(layout: HeadGroupLayout, profile, requests: int, context: int, chunk: int, extra: int) -> int:
@@ -173,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         ms, indices = timed(dev, lambda: csr_lists(kv, rids, dev))
         csr_ms.append(ms)
         csr_entries.append(indices.numel())
+    graph_ms = None  # the last step's attention replayed from a CUDA graph, as serving runs decode
+    if dev.type == "cuda" and not a.host_only:
+        graph_ms = graph_replay_ms(lambda: [step.attend(layer, q, kn, kn, scale) for layer in range(lay.num_layers)])
     # extend batches of one question per session on its whole cached context: per length, a batch of one
     # session and one of every session warm the kernels up (Triton specialises on argument values, e.g. 1),
     # the third (every session) is timed; the second's layer time is kept too (``first_full_batch_layers_ms``);
@@ -200,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             "requests": a.requests, "context": a.context, "chunk": a.chunk,
             "groups": lay.num_groups, "heads_per_group": lay.heads_per_group, "page_size": lay.page_size,
             "head_dim": d, "decode_steps": a.steps, "decode_host_ms": host_ms, "decode_attention_ms": gpu_ms,
+            "decode_attention_graph_ms": graph_ms,
             "csr_rebuild_ms": csr_ms, "csr_entries": csr_entries, "extend": extend, "prefill_chunk_write_ms": prefill_ms,
             "arena_used": kv.device_lists.used,
             "arena_capacity": kv.device_lists.capacity, "arena_fallback_steps": kv.arena_fallback_steps}
@@ -208,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         tag += f", {lay.num_groups} groups, host only on {a.device}"
     summary = [summary_row(f"decode step host metadata (median, {tag})", round(med(host_ms[1:] or host_ms), 3), "ms")]
     summary += [] if a.host_only else [
-        summary_row(f"decode step attention, all layers (median, {tag})", round(med(gpu_ms[1:] or gpu_ms), 3), "ms"),
+        summary_row(f"decode step attention, all layers, eager launches (median, {tag})",
+                    round(med(gpu_ms[1:] or gpu_ms), 3), "ms"),
+        *([summary_row(f"decode step attention, all layers, CUDA graph replay ({tag})", round(graph_ms, 3), "ms")]
+          if graph_ms is not None else []),
         summary_row(f"host CSR rebuild + copy the arena replaces (median, {tag})", round(med(csr_ms), 3), "ms"),
         *(row for n, e in extend.items() for row in (
             summary_row(f"extend step host metadata, {n}-token questions{' (compressed)' * e['compressed']} "

@@ -1,8 +1,10 @@
 """The GPU eval scripts' host-side logic, testable without a GPU: attaching to and stopping a server process
-left running by an earlier command, the soak's log figures, merging one-server bench results."""
+left running by an earlier command, the soak's log figures, merging one-server bench results, the scheduler's
+py-spy profile summary."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -15,6 +17,7 @@ sys.path.insert(0, str(EVAL))
 
 import accuracy_server
 import bench_serving
+import scheduler_profile
 import soak
 from server_proc import ServerProcess
 
@@ -215,3 +218,25 @@ def test_prefill_chunk_rates_from_a_server_log():
     log = "\n".join(lines)
     assert prefill_chunk_rates(log) == [27463.52, 21202.88]
     assert prefill_chunk_rates(log.split("\n", 1)[1]) == []  # no chunk size logged: nothing to compare against
+
+
+def test_scheduler_profile_shares(tmp_path):
+    """Inclusive shares per function, and our host time charged to the deepest tangram_sgl line of each stack."""
+    loop = "run (sglang/srt/managers/scheduler.py:10);"
+    raw = "\n".join([
+        loop + "available_size (/x/tangram_sgl/pool/sglang_allocator.py:62);request_pages (/x/tangram_sgl/pool/kv_manager.py:140) 6",
+        loop + "available_size (/x/tangram_sgl/pool/sglang_allocator.py:62) 1",
+        loop + "_normalize_decode_outputs (sglang/srt/b.py:931) 3",
+    ])
+    path = tmp_path / "raw.txt.gz"
+    path.write_bytes(gzip.compress(raw.encode()))
+    stacks = scheduler_profile.read_stacks(path)
+    s = scheduler_profile.summarize(stacks, top=10)
+    assert s["samples"] == 10 and s["in_tangram_sgl"] == 0.7
+    assert dict(s["inclusive"])["available_size (tangram_sgl/pool/sglang_allocator.py)"] == 0.7
+    assert dict(s["tangram_sgl_lines"]) == {"request_pages (tangram_sgl/pool/kv_manager.py:140)": 0.6,
+                                           "available_size (tangram_sgl/pool/sglang_allocator.py:62)": 0.1}
+    assert scheduler_profile.function_share(s, stacks, "_normalize_decode_outputs") == 0.3
+    scheduler_profile.main([f"r1={path}", "--name", "prof", "--out", str(tmp_path)])
+    rows = {r["metric"]: r["value"] for r in json.loads((tmp_path / "prof.json").read_text())["summary"]}
+    assert rows["r1: scheduler samples in tangram_sgl code (10 samples)"] == 70.0

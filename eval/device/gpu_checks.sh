@@ -118,10 +118,25 @@ bench_run() {
 # short and mid classes and a short-context load sweep, one server start per call (bench_serving_grid_<suffix>.json)
 grid_run() {
   local name="bench_serving_grid_$1"; shift
+  [ -n "${PYSPY_WINDOWS:-}" ] && pyspy_windows "$name" &
   timeout 590 python3 eval/bench_serving.py --model-path "$DUMMY" --out "$OUT" --name "$name" --servers "$@" \
     --contexts ${GRID_CONTEXTS:-short=4096@8,32,128 mid=16384@64} --questions 5 --max-tokens 64 --ignore-eos \
     --doc-text vocab --duration "${GRID_SECONDS:-60}" --replay-timeout "$(( ${GRID_SECONDS:-60} + 60 ))" \
     -- --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
+  # the device tool brings back a handful of files per call: the per-turn replay records travel as one archive
+  (cd "$OUT" && ls replay_*.json >/dev/null 2>&1 && tar czf "replays_$name.tgz" replay_*.json && rm -f replay_*.json)
+}
+# PYSPY_WINDOWS=N: the scheduler's host stacks (py-spy, collapsed) over N consecutive ${PYSPY_SECONDS:-70} s windows,
+# the first ${PYSPY_DELAY:-80} s after the scheduler process appears (past startup, roughly one window per load level)
+pyspy_windows() {
+  local pid="" i
+  for _ in $(seq 120); do pid=$(pgrep -f 'sglang::scheduler' | head -1); [ -n "$pid" ] && break; sleep 1; done
+  [ -z "$pid" ] && { echo "py-spy: no scheduler process"; return; }
+  sleep "${PYSPY_DELAY:-80}"
+  for i in $(seq 0 $(( PYSPY_WINDOWS - 1 ))); do
+    timeout -s INT $(( ${PYSPY_SECONDS:-70} + 15 )) py-spy record -p "$pid" -d "${PYSPY_SECONDS:-70}" -r 100 --nonblocking -f raw \
+      -o "$OUT/pyspy_$1_$i.txt" >"$OUT/pyspy_$1_$i.log" 2>&1
+  done
 }
 stage_grid_stock() { grid_run stock stock:flashinfer; }
 # stock without the overlap scheduler (the tangram backend runs without it): what that constraint alone costs

@@ -159,4 +159,7 @@ def check_invariants(mgr: TangramKVManager, deep: bool = True) -> None:
         _fail("the null page 0 was written (no CUDA-graph padding rows exist to write it)")
     if len(all_pages) != alloc.usable_pages:
         _fail(f"free + tree + requests = {len(all_pages)} pages, pool has {alloc.usable_pages}")
+    held = sum(len(pages) for where, pages in owners if isinstance(where, str) and where.startswith("request "))
+    if mgr.request_pages() != held:
+        _fail(f"request_pages() = {mgr.request_pages()}, recount of the requests' pages = {held}")
     _check_device_lists(mgr, deep)

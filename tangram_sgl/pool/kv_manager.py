@@ -137,7 +137,10 @@ class TangramKVManager:
         return self.tree.protected_pages
 
     def request_pages(self) -> int:
-        return sum(sum(1 for _ in r.owned_pages()) for r in self.requests.values())
+        """Pages running requests hold: every allocated page is the tree's or a request's (an invariant
+        ``check_invariants`` recounts), so this is O(1) for the scheduler's frequent memory checks."""
+        alloc = self.pool.allocator
+        return alloc.usable_pages - alloc.free_count() - self.tree.evictable_pages - self.tree.protected_pages
 
     def next_decode_pages(self) -> int:
         """Pages the next decode step of every request (without a pending segment) takes from the free
@@ -247,10 +250,8 @@ class TangramKVManager:
         if req.decode is not None:  # a new prefill after decoded tokens closes the decode segment
             req.segments.append(req.decode)
             req.decode = None
-        kmax = max(max(counts), 1)
-        table = torch.zeros(self.num_groups, kmax, dtype=torch.long)
-        for g, (gs, k) in enumerate(zip(groups, counts)):
-            table[g, :k] = gs.slots(self.page_size, 0, k)
+        table = self._reserved_slot_table(pages, need, counts)
+        kmax = table.shape[1]
         dev = self.pool.device
         kept = torch.full((self.num_groups, self.layout.heads_per_group, kmax), -1, dtype=torch.int32, device=dev)
         req.pending = PendingSegment(start, list(new_token_ids), counts, groups, set(), table.to(dev), kept)
@@ -258,6 +259,18 @@ class TangramKVManager:
             self._prepare_writes(req.pending)
         req.token_ids += list(new_token_ids)
         return counts
+
+    def _reserved_slot_table(self, pages: Sequence[int], need: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
+        """int64 [G, max(k_g, 1)]: row g holds the first k_g slots of group g's pages (zeros past them), the
+        groups' pages lying in ``pages`` one after another, ``need[g]`` each (one vectorized gather)."""
+        k = np.asarray(counts, dtype=np.int64)
+        j = np.arange(max(int(k.max(initial=0)), 1), dtype=np.int64)
+        valid = j[None, :] < k[:, None]
+        if not valid.any():
+            return torch.zeros(len(k), len(j), dtype=torch.long)
+        first = np.cumsum(need, dtype=np.int64) - np.asarray(need, dtype=np.int64)
+        page = np.asarray(pages, dtype=np.int64)[np.where(valid, first[:, None] + j // self.page_size, 0)]
+        return torch.from_numpy(np.where(valid, page * self.page_size + j % self.page_size, 0))
 
     def write_segment_layer(self, rid: Hashable, layer: int, k: torch.Tensor, v: torch.Tensor,
                             scores: torch.Tensor) -> None:

@@ -76,15 +76,17 @@ class CompressedWrites:
         per = [p.writes for p in pendings]
         if any(w is None for w in per):
             raise ValueError("every pending segment needs its SegmentWrites (TangramKVManager prepares them)")
-        own_start = np.cumsum([0] + [w.bounds[-1] for w in per])[:-1]
-        pieces, rows, bounds = [], [], [0]
-        for layer in range(num_layers):  # layer-major across rows: a permutation of the rows' own entries
-            for r, w in enumerate(per):
-                a, b = w.bounds[layer], w.bounds[layer + 1]
-                pieces.append(np.arange(own_start[r] + a, own_start[r] + b))
-                rows.append(np.full(b - a, r))
-            bounds.append(bounds[-1] + sum(len(x) for x in pieces[-len(per):]))
-        perm = torch.from_numpy(np.concatenate(pieces)).to(device)
+        # layer-major across rows, a permutation of the rows' own entries: piece (layer l, row r) is row r's
+        # entries [bounds_r[l], bounds_r[l+1]), which start at own_start[r] in the rows' concatenation
+        own = np.asarray([w.bounds for w in per], dtype=np.int64)  # [R, L+1]
+        own_start = np.cumsum(own[:, -1]) - own[:, -1]
+        piece_len = (own[:, 1:] - own[:, :-1]).T.reshape(-1)  # [L*R], layer-major
+        piece_src = (own_start[:, None] + own[:, :-1]).T.reshape(-1)
+        piece_dst = np.cumsum(piece_len) - piece_len
+        perm = np.repeat(piece_src - piece_dst, piece_len) + np.arange(int(piece_len.sum()))
+        rows = np.repeat(np.tile(np.arange(len(per)), num_layers), piece_len)
+        bounds = [0, *np.cumsum(piece_len.reshape(num_layers, len(per)).sum(1)).tolist()]
+        perm = torch.from_numpy(perm).to(device)
 
         def gathered(name: str) -> torch.Tensor:
             return torch.cat([getattr(w, name) for w in per])[perm]
@@ -95,7 +97,7 @@ class CompressedWrites:
         for r, (p, width) in enumerate(zip(pendings, kept_widths)):
             kept[r, :, :, :width] = p.kept_table  # anything already written (by another plan) carries over
             p.kept_table = kept[r, :, :, :width]
-        return cls(list(pendings), bounds, torch.from_numpy(np.concatenate(rows)).to(device),
+        return cls(list(pendings), bounds, torch.from_numpy(rows).to(device),
                    gathered("head"), gathered("rank"), gathered("group"), gathered("column"), gathered("slot"),
                    torch.tensor(list(offsets), dtype=torch.long, device=device),
                    torch.stack([w.counts for w in per]),

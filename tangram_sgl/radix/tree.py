@@ -130,9 +130,8 @@ class SegmentTree:
         node.last_access = stamp
         while i < len(query):
             best_full, split_at, split_node = None, 0, None
-            rest = query[i:]
-            for child in node.children.get(query[i], ()):
-                m = common_prefix(child.tokens, rest)
+            for child in node.children.get(query[i], ()):  # the query sliced to the child: O(n) per match
+                m = common_prefix(child.tokens, query[i: i + child.segment.n])
                 if m == child.segment.n:
                     if best_full is None or m > best_full.segment.n:
                         best_full = child
