@@ -9,8 +9,9 @@ Qwen2.5-Coder-0.5B-Instruct), greedy decoding, one method at a time:
   selection) with ``uniform_profile(config, b)``: every head keeps the same budget ``b``.
 - ``tangram``: the same engine with the shipped non-uniform profile for the model, target ``b`` and ``--scorer``
   (``tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r{b}.json``, or ``.snapkv-p31.`` for
-  ``snapkv:pool_kernel=31``; Qwen: ``qwen2.5-coder-0.5b-instruct.snapkv-p31.r{b}.json``; only 0.5 and 0.25
-  ship). Uniform runs use the same scorer.
+  ``snapkv:pool_kernel=31``; Qwen: ``qwen2.5-coder-0.5b-instruct.snapkv-p31.r{b}.json``, or ``.ea.`` for
+  ``expected_attention``, a query-agnostic scorer the SGLang backend cannot run yet; only 0.5 and 0.25 ship).
+  Uniform runs use the same scorer.
 
 Each method produces its own answers, and later turns resend that method's history. Score of a turn = the
 expected answer is contained in the answer (case-insensitive); per (task, budget, method): hits / turns
@@ -63,7 +64,7 @@ METHODS = ("full", "uniform", "tangram")
 MODELS = {"smollm2": ("SmolLM2-135M-Instruct", "smollm2-135m-instruct"),
           "qwen2.5-coder-0.5b": ("Qwen2.5-Coder-0.5B-Instruct", "qwen2.5-coder-0.5b-instruct")}
 # scorer spec -> its slug in shipped profile names (<stem>.<slug>.r<budget>.json)
-SCORER_SLUGS = {"snapkv": "snapkv", "snapkv:pool_kernel=31": "snapkv-p31"}
+SCORER_SLUGS = {"snapkv": "snapkv", "snapkv:pool_kernel=31": "snapkv-p31", "expected_attention": "ea"}
 TARGET_FULL_GAP = 5.0  # points: tangram within 5 points of full KV at budget 0.5
 
 

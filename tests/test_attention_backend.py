@@ -77,12 +77,13 @@ def fake_runner(kv: TangramKVManager, config, **sa_changes) -> SimpleNamespace:
                            req_to_token_pool=None, model_config=SimpleNamespace(hf_config=config), device=DEV)
 
 
-def mixed_profile(config, page_size: int, heads_per_group: int, seed: int, **aot) -> TangramProfile:
+def mixed_profile(config, page_size: int, heads_per_group: int, seed: int, scorer: str = "snapkv",
+                  **aot) -> TangramProfile:
     """Non-uniform budgets (0.1 .. 0.6); groups of ``heads_per_group`` across layers."""
     ident = ModelIdentity.from_config(config)
     g = torch.Generator().manual_seed(seed)
     mean = (torch.rand(ident.num_layers, ident.num_kv_heads, generator=g) * 0.5 + 0.1).tolist()
-    return build_profile(ident, mean, [[0.0] * ident.num_kv_heads] * ident.num_layers, scorer="snapkv",
+    return build_profile(ident, mean, [[0.0] * ident.num_kv_heads] * ident.num_layers, scorer=scorer,
                          target_ratio=0.3, alpha=0.0, page_size=page_size, heads_per_group=heads_per_group,
                          sink_tokens=2, recent_window=6, **aot)
 
@@ -465,12 +466,13 @@ def test_two_turns_exact_at_budget_one(page_size, arch):
     assert h.kv.free_pages() + h.kv.evictable_pages() == 399 and not h.kv.requests
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_two_turns_compressed_match_kept_tokens_and_reference_engine(page_size):
+@pytest.mark.parametrize("page_size, scorer", [(1, "snapkv"), (16, "snapkv"), (16, "expected_attention")])
+def test_two_turns_compressed_match_kept_tokens_and_reference_engine(page_size, scorer):
     """Non-uniform budgets < 1: every row equals dense attention over each head's kept tokens (checked inside
-    the harness), and conversation A's answers and kept sets equal the CPU reference engine's."""
+    the harness), and conversation A's answers and kept sets equal the CPU reference engine's (also with a
+    scorer of pre-RoPE queries, whose RoPE the backend rebuilds from the model config)."""
     model = tiny_llama(2)
-    profile = mixed_profile(model.config, page_size, 3, seed=11)
+    profile = mixed_profile(model.config, page_size, 3, seed=11, scorer=scorer)
     h = Harness(model, profile, pages=400)
     out = run_conversations(h, seed=3)
 
@@ -676,6 +678,15 @@ def test_factory_refuses_what_it_cannot_serve(registry, changes, message):
     kv = TangramKVManager.from_profile(profile, 64)
     with pytest.raises(TangramNotServable, match=message):
         registry["tangram"](fake_runner(kv, model.config, **changes))
+
+
+def test_pre_rope_scorer_is_refused_for_a_model_whose_rope_is_not_undone():
+    model = tiny_llama()
+    profile = uniform_profile(model.config, 0.5, page_size=16, heads_per_group=2, scorer="expected_attention")
+    config = copy.deepcopy(model.config)
+    config.model_type = "phi3"
+    with pytest.raises(TangramNotServable, match="reads pre-RoPE queries.*not 'phi3'"):
+        TangramAttnBackend(fake_runner(TangramKVManager.from_profile(profile, 64, device=DEV), config), profile)
 
 
 def test_factory_needs_the_tangram_pool(registry):

@@ -21,7 +21,8 @@
 #           (GRID_CONTEXTS overrides the classes); grid_stock_nooverlap: stock with --disable-overlap-schedule;
 #           grid_r1_bcg / grid_r025_bcg: tangram with breakable prefill CUDA graphs
 #   accuracy_qwen  eval/accuracy_server.py on Qwen2.5-Coder-0.5B (stock triton, tangram r0.5 / r0.25) on its CPU run's
-#           conversations, after qwen_join (the GGUF sent as .device-carry/qwen/partNN, one call each, in /tmp/qwen)
+#           conversations, after qwen_join (the GGUF sent as .device-carry/qwen/partNN, one call each, in /tmp/qwen);
+#           accuracy_qwen_ea the same with the expected_attention profiles on their CPU run's conversations
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
 #   soak_start, soak_finish   the same over two back-to-back calls (6.5 + 3.5 minutes of load on one server)
 #   stephost  eval/bench_step_host.py: host metadata time per decode / extend step vs the GPU attention (no server);
@@ -188,6 +189,11 @@ stage_accuracy_qwen() { timeout 580 python3 eval/accuracy_server.py --model-path
   --name accuracy_server_qwen --cpu "${QWEN_CPU:-$R/eval/results/accuracy_cpu_qwen.json}" --servers stock:triton \
   tangram:"$R"/tangram_sgl/profiles/qwen2.5-coder-0.5b-instruct.snapkv-p31.r0.5.json \
   tangram:"$R"/tangram_sgl/profiles/qwen2.5-coder-0.5b-instruct.snapkv-p31.r0.25.json 2>&1 | tail -40; }
+# the same with the expected_attention profiles (the backend rebuilds RoPE from the config to score pre-RoPE queries)
+stage_accuracy_qwen_ea() { timeout 580 python3 eval/accuracy_server.py --model-path "$QWEN" --out "$OUT" \
+  --name accuracy_server_qwen_ea --cpu "${QWEN_CPU:-$R/eval/results/accuracy_cpu_qwen_ea.json}" --servers stock:triton \
+  tangram:"$R"/tangram_sgl/profiles/qwen2.5-coder-0.5b-instruct.ea.r0.5.json \
+  tangram:"$R"/tangram_sgl/profiles/qwen2.5-coder-0.5b-instruct.ea.r0.25.json 2>&1 | tail -40; }
 stage_stephost() {
   (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --out "$OUT" 2>&1 | tail -12)
 }

@@ -42,10 +42,12 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from tangram_sgl.attention.batch_rows import batch_rows
 from tangram_sgl.attention.decode_graph import DecodeGraphBuffers, GraphDecodeStep
 from tangram_sgl.attention.forward_step import AttentionContext, ForwardStep
+from tangram_sgl.attention.segment_scoring import PRE_ROPE_SCORERS, PreRope, config_pre_rope
 from tangram_sgl.patches.attention_backend import TangramNotServable
 from tangram_sgl.patches.server_args import PREFILL_GRAPH_BACKENDS
 from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
 from tangram_sgl.profile import TangramProfile
+from tangram_sgl.scorers import make_scorer
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,16 @@ class CaptureExtendStep:
         pass
 
 
+def _pre_rope(profile: TangramProfile, model_runner: Any, device: torch.device) -> PreRope | None:
+    """The model's RoPE when the profile's scorer reads pre-RoPE queries (SGLang hands attention rotated ones)."""
+    if make_scorer(profile.runtime_scorer).name not in PRE_ROPE_SCORERS:
+        return None
+    try:
+        return config_pre_rope(model_runner.model_config.hf_config, device)
+    except ValueError as e:
+        raise TangramNotServable(f"the profile's scorer {profile.runtime_scorer!r} reads pre-RoPE queries: {e}") from e
+
+
 class TangramAttnBackend(AttentionBackend):
     """Attention over per-(request, head group) slot lists, writing K/V through the tangram manager."""
 
@@ -103,7 +115,8 @@ class TangramAttnBackend(AttentionBackend):
         self.token_to_kv_pool = cache  # SGLang reads the pools through the active backend
         self.req_to_token_pool = getattr(model_runner, "req_to_token_pool", None)
         self.manager = cache.manager
-        self.context = AttentionContext.create(self.manager, profile, kernels=kernels, extend_kernel=extend_kernel)
+        self.context = AttentionContext.create(self.manager, profile, kernels=kernels, extend_kernel=extend_kernel,
+                                               pre_rope=_pre_rope(profile, model_runner, self.manager.pool.device))
         if self.context.flashinfer_extend is not None:
             logger.info("tangram: extend attention runs through FlashInfer (--tangram-extend-kernel flashinfer)")
         self.num_layers = self.manager.layout.num_layers

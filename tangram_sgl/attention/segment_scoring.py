@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,6 +52,41 @@ class PreRope:
 
     inv_freq: torch.Tensor
     unrotate: Callable[[torch.Tensor, int], torch.Tensor]
+
+
+# model types whose RoPE rotates the two halves of each head (transformers' ``rotate_half``), which
+# :func:`config_pre_rope` undoes; another model type with a pre-RoPE scorer is refused
+HALF_ROTATION_MODEL_TYPES = frozenset({"llama", "qwen2"})
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def rotary_pre_rope(rotary: torch.nn.Module) -> PreRope:
+    """:class:`PreRope` of a transformers rotary embedding module (``rotary(x, position_ids) -> (cos, sin)``,
+    half rotation, no attention scaling); positions are made on its ``inv_freq``'s device."""
+    if getattr(rotary, "attention_scaling", 1.0) != 1.0:
+        raise ValueError(f"RoPE with attention scaling {rotary.attention_scaling} cannot be undone on the queries")
+
+    def unrotate(q: torch.Tensor, first_position: int) -> torch.Tensor:
+        pos = torch.arange(first_position, first_position + q.shape[1], device=rotary.inv_freq.device)[None]
+        cos, sin = (x[0].to(q.device) for x in rotary(torch.empty(1, dtype=q.dtype), pos))
+        return q * cos - _rotate_half(q) * sin
+
+    return PreRope(rotary.inv_freq.detach().float().cpu(), unrotate)
+
+
+def config_pre_rope(hf_config: Any, device: torch.device | str = "cpu") -> PreRope:
+    """:class:`PreRope` of a model known only by its transformers config (the SGLang backend's case): the
+    rotary embedding transformers builds for Llama-style RoPE, scaled variants (e.g. Llama 3.1's) included."""
+    if getattr(hf_config, "model_type", None) not in HALF_ROTATION_MODEL_TYPES:
+        raise ValueError(f"pre-RoPE scorers support model types {sorted(HALF_ROTATION_MODEL_TYPES)}, not "
+                         f"{getattr(hf_config, 'model_type', None)!r}")
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    return rotary_pre_rope(LlamaRotaryEmbedding(hf_config, device=device))
 
 
 class SegmentScorer:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from tangram_sgl.attention.forward_step import AttentionContext, ForwardStep, StepRow
-from tangram_sgl.attention.segment_scoring import PreRope
+from tangram_sgl.attention.segment_scoring import rotary_pre_rope
 from tangram_sgl.pool.kv_manager import TangramKVManager
 from tangram_sgl.pool.segment import Segment
 from tangram_sgl.profile import TangramProfile, validate_for_model
@@ -71,11 +71,6 @@ class Generation:
         return self.decode_s / (n - 1) if n > 1 else None
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
 class _StepAdapter:
     """transformers' attention call (q ``[Hq, T, D]``, k/v ``[Hkv, T, D]``) -> the shared forward step."""
 
@@ -112,17 +107,9 @@ class ReferenceEngine:
         self.dtype = next(model.parameters()).dtype
         self.kv = TangramKVManager.from_profile(profile, kv_pages, page_size=page_size, dtype=self.dtype)
         self.layout = self.kv.layout
-        self.rotary = model.model.rotary_emb
-        pre_rope = PreRope(self.rotary.inv_freq.detach().float().cpu(), self._unrotate)
         self.attention = AttentionContext.create(self.kv, profile, kernels="torch", obs_window=obs_window,
-                                                 pre_rope=pre_rope)
+                                                 pre_rope=rotary_pre_rope(model.model.rotary_emb))
         install(self.model)
-
-    def _unrotate(self, q: torch.Tensor, first_position: int) -> torch.Tensor:
-        """Undo RoPE on queries ``[Hq, w, D]`` at positions ``first_position ..``."""
-        pos = torch.arange(first_position, first_position + q.shape[1])[None]
-        cos, sin = self.rotary(torch.empty(1, dtype=q.dtype), pos)
-        return q * cos[0] - _rotate_half(q) * sin[0]
 
     # ------------------------------------------------------------------ one request
     @torch.inference_mode()
