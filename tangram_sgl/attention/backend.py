@@ -42,12 +42,11 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from tangram_sgl.attention.batch_rows import batch_rows
 from tangram_sgl.attention.decode_graph import DecodeGraphBuffers, GraphDecodeStep
 from tangram_sgl.attention.forward_step import AttentionContext, ForwardStep
-from tangram_sgl.attention.segment_scoring import PRE_ROPE_SCORERS, PreRope, config_pre_rope
+from tangram_sgl.attention.segment_scoring import PreRope, config_pre_rope, needs_pre_rope
 from tangram_sgl.patches.attention_backend import TangramNotServable
 from tangram_sgl.patches.server_args import PREFILL_GRAPH_BACKENDS
 from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
 from tangram_sgl.profile import TangramProfile
-from tangram_sgl.scorers import make_scorer
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +87,7 @@ class CaptureExtendStep:
 
 def _pre_rope(profile: TangramProfile, model_runner: Any, device: torch.device) -> PreRope | None:
     """The model's RoPE when the profile's scorer reads pre-RoPE queries (SGLang hands attention rotated ones)."""
-    if make_scorer(profile.runtime_scorer).name not in PRE_ROPE_SCORERS:
+    if not needs_pre_rope(profile.runtime_scorer):
         return None
     try:
         return config_pre_rope(model_runner.model_config.hf_config, device)

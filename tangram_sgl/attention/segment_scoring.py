@@ -59,6 +59,11 @@ class PreRope:
 HALF_ROTATION_MODEL_TYPES = frozenset({"llama", "qwen2"})
 
 
+def needs_pre_rope(scorer_spec: str) -> bool:
+    """Whether the scorer of ``scorer_spec`` reads pre-RoPE queries (its caller must give a :class:`PreRope`)."""
+    return make_scorer(scorer_spec).name in PRE_ROPE_SCORERS
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)

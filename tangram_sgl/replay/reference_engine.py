@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from tangram_sgl.attention.forward_step import AttentionContext, ForwardStep, StepRow
-from tangram_sgl.attention.segment_scoring import rotary_pre_rope
+from tangram_sgl.attention.segment_scoring import needs_pre_rope, rotary_pre_rope
 from tangram_sgl.pool.kv_manager import TangramKVManager
 from tangram_sgl.pool.segment import Segment
 from tangram_sgl.profile import TangramProfile, validate_for_model
@@ -107,8 +107,9 @@ class ReferenceEngine:
         self.dtype = next(model.parameters()).dtype
         self.kv = TangramKVManager.from_profile(profile, kv_pages, page_size=page_size, dtype=self.dtype)
         self.layout = self.kv.layout
+        pre_rope = rotary_pre_rope(model.model.rotary_emb) if needs_pre_rope(profile.runtime_scorer) else None
         self.attention = AttentionContext.create(self.kv, profile, kernels="torch", obs_window=obs_window,
-                                                 pre_rope=rotary_pre_rope(model.model.rotary_emb))
+                                                 pre_rope=pre_rope)
         install(self.model)
 
     # ------------------------------------------------------------------ one request
