@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton.testing
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "eval"))
@@ -81,26 +82,6 @@ def timed(dev: torch.device, fn, profile_to: Path | None = None) -> tuple[float,
     if prof is not None:
         write_profile(prof, profile_to)
     return ms, out
-
-
-def graph_replay_ms(fn, replays: int = 10) -> float:
-    """Milliseconds per replay of ``fn`` captured in a CUDA graph: the device time a graph-captured step
-    (as serving's decode) spends, without the per-launch host cost an eager loop adds."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # SGLang's capture protocol: one run on a side stream before capturing
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / replays
 
 
 def pool_pages(layout: HeadGroupLayout, profile, requests: int, context: int, chunk: int, extra: int) -> int:
@@ -194,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         ms, indices = timed(dev, lambda: csr_lists(kv, rids, dev))
         csr_ms.append(ms)
         csr_entries.append(indices.numel())
-    graph_ms = None  # the last step's attention replayed from a CUDA graph, as serving runs decode
+    graph_ms = None  # the last step's attention replayed from a CUDA graph (median), as serving runs decode
     if dev.type == "cuda" and not a.host_only:
-        graph_ms = graph_replay_ms(lambda: [step.attend(layer, q, kn, kn, scale) for layer in range(lay.num_layers)])
+        graph_ms = triton.testing.do_bench_cudagraph(
+            lambda: [step.attend(layer, q, kn, kn, scale) for layer in range(lay.num_layers)], return_mode="median")
     # extend batches of one question per session on its whole cached context: per length, a batch of one
     # session and one of every session warm the kernels up (Triton specialises on argument values, e.g. 1),
     # the third (every session) is timed; the second's layer time is kept too (``first_full_batch_layers_ms``);

@@ -185,15 +185,15 @@ stage_qwen_join() {
   (cd /tmp && python3 -c "import sys; from tangram_sgl.models import convert_gguf_to_hf; print(convert_gguf_to_hf(*sys.argv[1:]))" \
     /tmp/qwen.gguf "$QWEN" 2>&1 | tail -2)
 }
-stage_accuracy_qwen() { timeout 580 python3 eval/accuracy_server.py --model-path "$QWEN" --out "$OUT" \
-  --name accuracy_server_qwen --cpu "${QWEN_CPU:-$R/eval/results/accuracy_cpu_qwen.json}" --servers stock:triton \
-  tangram:"$R"/tangram_sgl/profiles/qwen2.5-coder-0.5b-instruct.snapkv-p31.r0.5.json \
-  tangram:"$R"/tangram_sgl/profiles/qwen2.5-coder-0.5b-instruct.snapkv-p31.r0.25.json 2>&1 | tail -40; }
+stage_accuracy_qwen() { accuracy_qwen_run snapkv-p31 ""; }
 # the same with the expected_attention profiles (the backend rebuilds RoPE from the config to score pre-RoPE queries)
-stage_accuracy_qwen_ea() { timeout 580 python3 eval/accuracy_server.py --model-path "$QWEN" --out "$OUT" \
-  --name accuracy_server_qwen_ea --cpu "${QWEN_CPU:-$R/eval/results/accuracy_cpu_qwen_ea.json}" --servers stock:triton \
-  tangram:"$R"/tangram_sgl/profiles/qwen2.5-coder-0.5b-instruct.ea.r0.5.json \
-  tangram:"$R"/tangram_sgl/profiles/qwen2.5-coder-0.5b-instruct.ea.r0.25.json 2>&1 | tail -40; }
+stage_accuracy_qwen_ea() { accuracy_qwen_run ea _ea; }
+accuracy_qwen_run() {  # profile slug $1, result suffix $2 (the CPU run's file has the same suffix)
+  local p="$R"/tangram_sgl/profiles/qwen2.5-coder-0.5b-instruct."$1"
+  timeout 580 python3 eval/accuracy_server.py --model-path "$QWEN" --out "$OUT" --name "accuracy_server_qwen$2" \
+    --cpu "${QWEN_CPU:-$R/eval/results/accuracy_cpu_qwen$2.json}" --servers stock:triton \
+    tangram:"$p".r0.5.json tangram:"$p".r0.25.json 2>&1 | tail -40
+}
 stage_stephost() {
   (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --out "$OUT" 2>&1 | tail -12)
 }
