@@ -33,8 +33,8 @@ from results_io import summary_row, write_result
 from tangram_sgl.kernels.extend import extend_attention
 from tqdm import tqdm
 
-DEFAULT_CONFIG = (64, 64, 4, 2)  # extend_attention's defaults: block_m, block_n, num_warps, num_stages
-CONFIGS = (DEFAULT_CONFIG, (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 2), (64, 32, 4, 3), (128, 128, 8, 2))
+DEFAULT_CONFIG = (128, 64, 8, 3)  # extend_attention's defaults: block_m, block_n, num_warps, num_stages
+CONFIGS = (DEFAULT_CONFIG, (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (64, 32, 4, 3), (128, 128, 8, 2))
 CASES = {"chunk_0": (1, 8192, 0), "chunk_16k": (1, 8192, 16384), "chunk_40k": (1, 8192, 40960),
          "questions": (16, 64, 32768)}
 TINY_CASES = {"chunk_0": (1, 64, 0), "chunk_96": (1, 64, 96), "questions": (3, 5, 80)}

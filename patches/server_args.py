@@ -30,8 +30,10 @@ logger = logging.getLogger(__name__)
 ENV_POLICY = "TANGRAM_KV_POLICY"
 ENV_PROFILE = "TANGRAM_PROFILE"
 ENV_EXTEND_KERNEL = "TANGRAM_EXTEND_KERNEL"
-EXTEND_KERNELS = ("triton", "flashinfer")
-DEFAULT_EXTEND_KERNEL = "flashinfer"  # faster on the H200 at every measured shape (eval/results/bench_extend.json)
+EXTEND_KERNELS = ("triton", "flashinfer", "mixed")
+# FlashInfer for prefill chunks (faster on the H200 there, eval/results/bench_extend.json), the Triton kernel for
+# question-sized steps (fewer host launches per layer: 0.67/0.73/0.76 -> 0.82/0.84/0.81x stock, bench_serving_grid)
+DEFAULT_EXTEND_KERNEL = "mixed"
 _SA = "sglang.srt.server_args.ServerArgs"
 PREFILL_GRAPH_BACKENDS = ("disabled", "breakable")  # the ones the tangram backend serves
 
@@ -59,9 +61,11 @@ def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tangram-profile", type=str, default=None,
                        help="Budget profile JSON made by `tangram-sgl profile` (or `tangram-sgl synth`).")
     group.add_argument("--tangram-extend-kernel", choices=EXTEND_KERNELS, default=None,
-                       help="Prefill attention of the tangram backend: 'flashinfer' (default: FlashInfer's chunk + "
-                            "per-(request, kv head) prefix passes, planned once per step) or 'triton' (our Triton "
-                            "extend kernel; 1.1-2.9x slower on the H200, eval/results/bench_extend.json).")
+                       help="Prefill attention of the tangram backend: 'mixed' (default: 'flashinfer' for steps adding "
+                            "more than 256 tokens to a row, 'triton' for question-sized steps), 'flashinfer' "
+                            "(FlashInfer's chunk + per-(request, kv head) prefix passes, planned once per step) or "
+                            "'triton' (our Triton extend kernel, one launch per layer; 1.1-2.9x slower than "
+                            "FlashInfer on 8k-token chunks, eval/results/bench_extend.json).")
 
 
 def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profile_path: str | None,

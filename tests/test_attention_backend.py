@@ -909,8 +909,9 @@ def test_extend_kernel_choice_is_checked():
     model = tiny_llama(3)
     profile = mixed_profile(model.config, 4, 2, seed=11)
     kv = TangramKVManager.from_profile(profile, 50, device="cpu")
-    with pytest.raises(ValueError, match="needs the pool on a CUDA device"):
-        AttentionContext.create(kv, profile, extend_kernel="flashinfer")
+    for name in ("flashinfer", "mixed"):
+        with pytest.raises(ValueError, match="needs the pool on a CUDA device"):
+            AttentionContext.create(kv, profile, extend_kernel=name)
     with pytest.raises(ValueError, match="unknown extend kernel 'cutlass'"):
         AttentionContext.create(kv, profile, extend_kernel="cutlass")
 
@@ -961,6 +962,33 @@ def test_flashinfer_extend_step_wiring_matches_the_kernel_step(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin())
     _extend_steps_agree(lambda base, kv, profile: dataclasses.replace(
         base, flashinfer_extend=layout_flashinfer_extend(kv.layout, base.head_order.tolist(), DEV)), torch.float32, TOL)
+
+
+def test_mixed_extend_kernel_uses_flashinfer_only_past_the_threshold(monkeypatch):
+    """--tangram-extend-kernel mixed: a question-sized step runs the kernel set's extend, a step with a row
+    adding more than the threshold runs FlashInfer (stood in by torch); both agree with the kernel step."""
+    from test_flashinfer_extend import flashinfer_standin
+
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin())
+    model = tiny_llama(3)
+    profile = mixed_profile(model.config, 4, 2, seed=11)
+    kv = TangramKVManager.from_profile(profile, 400, device=DEV)
+    base = AttentionContext.create(kv, profile)
+    mixed = dataclasses.replace(base, flashinfer_extend=layout_flashinfer_extend(kv.layout, base.head_order.tolist(),
+                                                                                 DEV), flashinfer_min_new=24)
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    for rid, n in (("short", 24), ("long", 25)):
+        toks = list(range(1, n + 1))
+        kv.admit(rid, toks)
+        kv.reserve(rid, toks)
+        steps = base.step([StepRow(rid, 0, n, False)]), mixed.step([StepRow(rid, 0, n, False)])
+        assert (steps[1].fi_step is None) == (n <= 24)
+        for layer in range(LAYERS):
+            q = torch.randn(n, HEADS, HEAD_DIM, device=DEV, generator=gen)
+            k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, device=DEV, generator=gen) for _ in range(2))
+            want, got = (s.attend(layer, q, k, v, HEAD_DIM ** -0.5) for s in steps)
+            torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
+        steps[0].commit()
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="FlashInfer runs on CUDA only (GPU test stage)")

@@ -181,13 +181,13 @@ def test_server_specs():
     assert parse_server_spec("stock:flashinfer") == ("stock_flashinfer", None, ["--attention-backend", "flashinfer"])
     assert parse_server_spec("stock-nooverlap:flashinfer") == (
         "stock_flashinfer_nooverlap", None, ["--attention-backend", "flashinfer", "--disable-overlap-schedule"])
-    assert parse_server_spec("tangram:/p/x.r1.json") == ("tangram_flashinfer_x.r1", "/p/x.r1.json", [])
+    assert parse_server_spec("tangram:/p/x.r1.json") == ("tangram_mixed_x.r1", "/p/x.r1.json", [])
     assert parse_server_spec("tangram@triton:/p/x.json") == (
         "tangram_triton_x", "/p/x.json", ["--tangram-extend-kernel", "triton"])
     assert parse_server_spec("tangram@flashinfer:/p/x.json") == (
         "tangram_flashinfer_x", "/p/x.json", ["--tangram-extend-kernel", "flashinfer"])
     assert parse_server_spec("tangram-bcg:/p/x.json") == (
-        "tangram_flashinfer_bcg_x", "/p/x.json", ["--cuda-graph-backend-prefill", "breakable"])
+        "tangram_mixed_bcg_x", "/p/x.json", ["--cuda-graph-backend-prefill", "breakable"])
     with pytest.raises(ValueError, match="expected stock"):
         parse_server_spec("stock@flashinfer:triton")
 

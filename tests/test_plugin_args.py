@@ -65,7 +65,7 @@ def test_kv_policy_reaches_resolved_server_args(sglang_loaded, model_dir, profil
     assert (sa.attention_backend, sa.radix_cache_backend, sa.page_size) == ("tangram", "tangram", 16)
     assert os.environ["TANGRAM_KV_POLICY"] == "tangram"
     assert os.environ["TANGRAM_PROFILE"] == str(profile_path.resolve())
-    assert os.environ["TANGRAM_EXTEND_KERNEL"] == "flashinfer"
+    assert os.environ["TANGRAM_EXTEND_KERNEL"] == "mixed"
     _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
            str(profile_path), "--tangram-extend-kernel", "triton")
     assert os.environ["TANGRAM_EXTEND_KERNEL"] == "triton"
@@ -165,7 +165,7 @@ def test_launch_server_help_lists_the_options():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--kv-policy" in out.stdout and "--tangram-profile" in out.stdout
     assert "{default,tangram}" in out.stdout
-    assert "--tangram-extend-kernel {triton,flashinfer}" in out.stdout
+    assert "--tangram-extend-kernel {triton,flashinfer,mixed}" in out.stdout
 
 
 def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_dir, profile_path):

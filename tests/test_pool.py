@@ -204,6 +204,24 @@ def test_slot_list_cache_follows_every_growth():
     assert a.groups[0].slots(4).tolist() == [8, 9, 10, 11, 28, 29]
 
 
+def test_slot_tables_batch_equals_each_segments_group_lists():
+    """``slot_tables`` of several segments at once (one repeated, one grown since its table was cached) holds
+    each segment's group lists, concatenated group-major, with their lengths and offsets."""
+    from tangram_sgl.pool.segment import GroupSlots, Segment, slot_tables
+
+    a = Segment(0, [1] * 8, True, [GroupSlots([3, 4], 8), GroupSlots([6, 2], 8)])
+    b = Segment(8, [1] * 3, False, [GroupSlots([9], 2), GroupSlots([], 0)])
+    old = a.slot_table(4)
+    a.append(Segment(8, [1] * 2, True, [GroupSlots([7], 2), GroupSlots([5], 2)]), 4)  # a grows: its cache is stale
+    tables = slot_tables([a, b, a], 4)
+    assert tables[0] is tables[2] and tables[0] is not old
+    for seg, t in zip((a, b), tables):
+        want = [gs.slots(4) for gs in seg.groups]
+        assert t.lengths.tolist() == [len(x) for x in want]
+        assert t.offsets.tolist() == [0, *itertools.accumulate(len(x) for x in want)][:-1]
+        assert t.slots.tolist() == torch.cat(want).tolist()
+
+
 def test_slot_lists_on_a_device_are_cached_per_list_state():
     """Lists read on another device (``meta`` stands in for the GPU) are copied there once per list state
     and dropped when the list grows; ``slot_lists`` concatenates the device copies (indptr stays on the host)."""

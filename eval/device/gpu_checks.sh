@@ -14,12 +14,13 @@
 #           distinct documents, a ${BENCH_SECONDS:-240} s window each; BENCH_CONTEXT=mid=16384 BENCH_SESSIONS=64 for
 #           another class): stock flashinfer; tangram at r0.25, 1.0, 0.5;
 #           merge the returned JSONs here with `python eval/bench_serving.py --merge ...`
-#   bench_r1_triton / bench_r025_triton   the same with --tangram-extend-kernel triton (the default is flashinfer)
+#   bench_r1_triton / bench_r025_triton   the same with --tangram-extend-kernel triton (the default is mixed)
 #   smoke_bcg  the serving smoke with breakable prefill CUDA graphs (--cuda-graph-backend-prefill breakable)
 #   grid_stock / grid_r025 / grid_r05 / grid_r1   one server start each: the short class (4k documents) at 8, 32 and
 #           128 concurrent sessions (TTFT vs load) and the mid class (16k) at 64, a ${GRID_SECONDS:-60} s window each
 #           (GRID_CONTEXTS overrides the classes); grid_stock_nooverlap: stock with --disable-overlap-schedule;
-#           grid_r1_bcg / grid_r025_bcg: tangram with breakable prefill CUDA graphs
+#           grid_r1_bcg / grid_r025_bcg: tangram with breakable prefill CUDA graphs; grid_r1_fi / grid_r025_fi:
+#           --tangram-extend-kernel flashinfer for every extend step (the default, mixed, runs question-sized ones in Triton)
 #   accuracy_qwen  eval/accuracy_server.py on Qwen2.5-Coder-0.5B (stock triton, tangram r0.5 / r0.25) on its CPU run's
 #           conversations, after qwen_join (the GGUF sent as .device-carry/qwen/partNN, one call each, in /tmp/qwen);
 #           accuracy_qwen_ea the same with the expected_attention profiles on their CPU run's conversations
@@ -100,7 +101,7 @@ stage_bench_r025() { bench_run r025 tangram:"$R"/tangram_sgl/profiles/llama-3.1-
 stage_bench_r05() { bench_run r05 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.5.json; }
 stage_bench_r1() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   bench_run r1 tangram:/tmp/llama-3.1-8b.uniform.r1.0.json; }
-# the same with our Triton extend kernel (--tangram-extend-kernel triton; the default is flashinfer)
+# the same with our Triton extend kernel (--tangram-extend-kernel triton; the default is mixed)
 stage_bench_r1_triton() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   bench_run r1_triton tangram@triton:/tmp/llama-3.1-8b.uniform.r1.0.json; }
 stage_bench_r025_triton() {
@@ -128,12 +129,14 @@ grid_run() {
   (cd "$OUT" && ls replay_*.json >/dev/null 2>&1 && tar czf "replays_$name.tgz" replay_*.json && rm -f replay_*.json)
 }
 # PYSPY_WINDOWS=N: the scheduler's host stacks (py-spy, collapsed) over N consecutive ${PYSPY_SECONDS:-70} s windows,
-# the first ${PYSPY_DELAY:-80} s after the scheduler process appears (past startup, roughly one window per load level)
+# the first ${PYSPY_DELAY:-5} s after the server answers /health (a fresh machine's first start compiles every Triton
+# kernel: 250 s in session 13, so a delay counted from the process start caught the capture, not the load)
 pyspy_windows() {
   local pid="" i
   for _ in $(seq 120); do pid=$(pgrep -f 'sglang::scheduler' | head -1); [ -n "$pid" ] && break; sleep 1; done
   [ -z "$pid" ] && { echo "py-spy: no scheduler process"; return; }
-  sleep "${PYSPY_DELAY:-80}"
+  for _ in $(seq 500); do curl -sf http://127.0.0.1:30200/health >/dev/null && break; sleep 1; done
+  sleep "${PYSPY_DELAY:-5}"
   for i in $(seq 0 $(( PYSPY_WINDOWS - 1 ))); do
     timeout -s INT $(( ${PYSPY_SECONDS:-70} + 15 )) py-spy record -p "$pid" -d "${PYSPY_SECONDS:-70}" -r 100 --nonblocking -f raw \
       -o "$OUT/pyspy_$1_$i.txt" >"$OUT/pyspy_$1_$i.log" 2>&1
@@ -146,6 +149,10 @@ stage_grid_r025() { grid_run r025 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b
 stage_grid_r05() { grid_run r05 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.5.json; }
 stage_grid_r1() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   grid_run r1 tangram:/tmp/llama-3.1-8b.uniform.r1.0.json; }
+# --tangram-extend-kernel flashinfer: FlashInfer for question-sized steps too (the default before session 13)
+stage_grid_r1_fi() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
+  grid_run r1_fi tangram@flashinfer:/tmp/llama-3.1-8b.uniform.r1.0.json; }
+stage_grid_r025_fi() { grid_run r025_fi tangram@flashinfer:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
 # the same with breakable prefill CUDA graphs (--cuda-graph-backend-prefill breakable, opt-in until measured here)
 stage_grid_r1_bcg() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   grid_run r1_bcg tangram-bcg:/tmp/llama-3.1-8b.uniform.r1.0.json; }
@@ -203,7 +210,7 @@ stephost128_run() {  # the short class's batch: 128 sessions of 4k tokens; exten
   (cd /tmp && timeout 300 python3 "$R"/eval/bench_step_host.py --requests 128 --context 4096 --chunk 4096 \
      --questions 32,96 --cprofile --extend-kernel "$1" --name "$2" --out "$OUT" 2>&1 | tail -12)
 }
-stage_stephost_triton() {  # the same with our Triton extend kernel (the default is FlashInfer's)
+stage_stephost_triton() {  # the same with our Triton extend kernel (the default is mixed)
   (cd /tmp && timeout 200 python3 "$R"/eval/bench_step_host.py --requests 16 --context 32768 --extend-kernel triton \
      --name bench_step_host_triton --out "$OUT" 2>&1 | tail -12)
 }

@@ -117,7 +117,9 @@ class TangramAttnBackend(AttentionBackend):
         self.context = AttentionContext.create(self.manager, profile, kernels=kernels, extend_kernel=extend_kernel,
                                                pre_rope=_pre_rope(profile, model_runner, self.manager.pool.device))
         if self.context.flashinfer_extend is not None:
-            logger.info("tangram: extend attention runs through FlashInfer (--tangram-extend-kernel flashinfer)")
+            logger.info("tangram: extend attention runs through FlashInfer (--tangram-extend-kernel %s%s)",
+                        extend_kernel, f": steps adding more than {self.context.flashinfer_min_new} tokens to a row"
+                        if self.context.flashinfer_min_new else "")
         self.num_layers = self.manager.layout.num_layers
         self.step: ForwardStep | GraphDecodeStep | CaptureExtendStep | None = None
         self._capturing_prefill = False  # inside SGLang's prefill-graph capture (see prefill_capture)

@@ -13,7 +13,9 @@ Per layer (:meth:`ForwardStep.attend`):
   when the arena cannot hold them, host-built CSR lists (logged).
 - **extend or mixed batch**: the extend kernel attends each row's new tokens over [its committed slot
   lists ; its own staging K/V, causal] (the Triton/torch kernel, or, with ``extend_kernel="flashinfer"``,
-  FlashInfer's chunk + prefix passes, each planned once per step: ``kernels/flashinfer_extend.py``); then each
+  FlashInfer's chunk + prefix passes, each planned once per step: ``kernels/flashinfer_extend.py``; with
+  ``"mixed"``, FlashInfer only for steps adding more than ``MIXED_FLASHINFER_MIN_NEW`` tokens to a row, where
+  its per-layer host work pays off); then each
   extend row's segment is scored (the profile's scorer on the segment's observation window) and each head
   keeps its protected and top-scored tokens in the reserved slots, all compressed rows in one batch per
   layer (``compressed_segment_writes``); rows every group keeps whole (short turns, budget 1.0) are written
@@ -41,6 +43,10 @@ from tangram_sgl.pool.kv_manager import TangramKVManager
 from tangram_sgl.profile import AotSplitTable, TangramProfile
 
 logger = logging.getLogger(__name__)
+# --tangram-extend-kernel mixed: steps whose rows each add at most this many tokens (questions, decode rows)
+# run the Triton extend kernel, one launch per layer, instead of FlashInfer's passes (~10 launches and their
+# Python per layer: host-bound at question size on the H200, bench_step_host_r128's cProfile)
+MIXED_FLASHINFER_MIN_NEW = 256
 
 
 class StepError(RuntimeError):
@@ -70,6 +76,7 @@ class AttentionContext:
     head_column: torch.Tensor
     head_order: torch.Tensor  # int32 [L, H]: each layer's kv heads by descending group budget (decode launch)
     flashinfer_extend: FlashInferExtend | None = None  # extend attention through FlashInfer instead of kernels
+    flashinfer_min_new: int = 0  # ... for steps whose longest row adds more new tokens than this
     _splits: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
     @classmethod
@@ -77,9 +84,10 @@ class AttentionContext:
                obs_window: int | None = None, pre_rope: PreRope | None = None,
                extend_kernel: str | None = None) -> AttentionContext:
         """Context for ``kv`` (built from ``profile``); ``kernels``: ``"torch"``/``"triton"``/None (by device);
-        ``extend_kernel``: ``"flashinfer"`` runs extend attention through FlashInfer (CUDA only); None,
-        ``"triton"`` (the server flag's name for our kernels) or the kernel set's name keeps it in the kernel
-        set (Triton on CUDA, the torch references elsewhere)."""
+        ``extend_kernel``: ``"flashinfer"`` runs extend attention through FlashInfer (CUDA only), ``"mixed"``
+        only steps adding more than ``MIXED_FLASHINFER_MIN_NEW`` tokens to a row; None, ``"triton"`` (the server
+        flag's name for our kernels) or the kernel set's name keeps it in the kernel set (Triton on CUDA, the
+        torch references elsewhere)."""
         lay = kv.layout
         if (profile.model.num_layers, profile.model.num_kv_heads, profile.num_groups) != (
                 lay.num_layers, lay.num_kv_heads, lay.num_groups):
@@ -91,16 +99,17 @@ class AttentionContext:
         dev = kv.pool.device
         order = [launch_order([lay.group_budget[g] for g in layer.group]) for layer in lay.layers]
         fi = None
-        if extend_kernel == "flashinfer":
+        if extend_kernel in ("flashinfer", "mixed"):
             if torch.device(dev).type != "cuda":
-                raise ValueError("extend_kernel='flashinfer' (--tangram-extend-kernel's default) needs the pool on "
-                                 "a CUDA device; elsewhere choose the Triton kernel (--tangram-extend-kernel triton)")
+                raise ValueError(f"extend_kernel={extend_kernel!r} (--tangram-extend-kernel) needs the pool on a CUDA "
+                                 "device; elsewhere choose the Triton kernel (--tangram-extend-kernel triton)")
             fi = layout_flashinfer_extend(lay, order, dev)
         elif extend_kernel not in (None, "triton", ks.name):
-            raise ValueError(f"unknown extend kernel {extend_kernel!r}; choose 'flashinfer', 'triton' or the "
-                             f"kernel set {ks.name!r}")
+            raise ValueError(f"unknown extend kernel {extend_kernel!r}; choose 'flashinfer', 'mixed', 'triton' or "
+                             f"the kernel set {ks.name!r}")
         return cls(kv, ks, scorer, profile.aot_split, lay.head_group_tensor(dev), lay.head_column_tensor(dev),
-                   torch.tensor(order, dtype=torch.int32, device=dev), fi)
+                   torch.tensor(order, dtype=torch.int32, device=dev), fi,
+                   MIXED_FLASHINFER_MIN_NEW if extend_kernel == "mixed" else 0)
 
     def decode_splits(self, batch_size: int) -> tuple[torch.Tensor, int]:
         """(int32 ``[G]`` splits on the device, the bucket's max) of the AOT row for ``batch_size``."""
@@ -166,7 +175,8 @@ class ForwardStep:
         self.qo_indptr = offsets.to(dev)
         self.max_new = int(lens.max())
         self.fi_step = None
-        if ctx.flashinfer_extend is not None and not self.decode_only:  # indptr: the host CSR built above
+        if ctx.flashinfer_extend is not None and not self.decode_only and self.max_new > ctx.flashinfer_min_new:
+            # indptr: the host CSR built above
             self.fi_step = ctx.flashinfer_extend.step(self.offsets, indptr.numpy(), self.kv_indices)
         self.decode_index = torch.tensor([self.offsets[i] for i in decode_rows], dtype=torch.long, device=dev)
         self.compress = {i: not kv.requests[self.rids[i]].pending.full for i in self.extend_rows}

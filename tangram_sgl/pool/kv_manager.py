@@ -26,7 +26,7 @@ from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.pool.device_slot_lists import DeviceSlotLists
 from tangram_sgl.pool.group_page_pool import GroupPagePool
 from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, SegmentWrites, segment_kept_counts
-from tangram_sgl.pool.segment import GroupSlots, Segment
+from tangram_sgl.pool.segment import GroupSlots, Segment, slot_tables
 from tangram_sgl.pool.step_writes import CompressedWrites, FullSegmentWrites
 from tangram_sgl.profile import TangramProfile
 from tangram_sgl.radix.tree import SegmentNode, SegmentTree
@@ -475,18 +475,18 @@ class TangramKVManager:
         """CSR ``(kv_indptr [R*G+1] on the host, kv_indices on device)`` int32: slots of (request r, group g)
         at ``kv_indices[kv_indptr[r*G+g]:kv_indptr[r*G+g+1]]`` (the :meth:`request_lists`).
 
-        Built from each segment's cached all-groups :meth:`Segment.slot_table` on ``device``: the host handles
-        O(requests x segments) objects and numpy arrays of (request, group, segment) pieces; one gather on
+        Built from each segment's cached all-groups slot table on ``device`` (:func:`slot_tables`): the host
+        handles O(requests x segments) objects and numpy arrays of (request, group, segment) pieces; one gather on
         the device puts the pieces in CSR order (no host copy of whole lists, no per-(group, segment) calls).
         """
         G = self.num_groups
-        tables = [[s.slot_table(self.page_size, device) for s in self.request_segments(rid)] for rid in rids]
-        flat = [t for row in tables for t in row]
+        segs = [self.request_segments(rid) for rid in rids]
+        flat = slot_tables([s for row in segs for s in row], self.page_size, device)  # (request, segment) order
         indptr = torch.zeros(len(rids) * G + 1, dtype=torch.int32)
         if not flat:
             return indptr, torch.empty(0, dtype=torch.int32, device=device)
         # pieces (request, group, segment), from [S, G] arrays of all the step's segments in (request, segment) order
-        nseg = np.fromiter((len(row) for row in tables), dtype=np.int64, count=len(tables))
+        nseg = np.fromiter((len(row) for row in segs), dtype=np.int64, count=len(segs))
         first = np.cumsum(nseg) - nseg  # each request's first segment
         row = np.repeat(np.arange(len(rids)), nseg)
         lens = np.stack([t.lengths for t in flat])  # [S, G]

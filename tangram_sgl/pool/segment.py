@@ -11,7 +11,7 @@ only kind that may be split (at a slot index that is a multiple of ``page_size``
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +64,41 @@ class SlotTable:
     offsets: np.ndarray  # int64 [G], host
 
 
+def slot_tables(segments: Sequence[Segment], page_size: int, device: torch.device | None = None) -> list[SlotTable]:
+    """:meth:`Segment.slot_table` of each of ``segments``; the stale host tables are computed together (a few
+    numpy operations for all of them) and reach ``device`` in one copy (each table a view of it)."""
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    host = torch.device("cpu")
+    unique = list({id(s): s for s in segments}.values())  # a tree node is on many requests' paths
+    stale = [s for s in unique if s._tables is None or s._tables[0] != (s.n, page_size)]
+    if stale:
+        G = len(stale[0].groups)
+        lens = np.fromiter((gs.length for s in stale for gs in s.groups), dtype=np.int64, count=len(stale) * G)
+        npages = np.fromiter((len(gs.pages) for s in stale for gs in s.groups), dtype=np.int64, count=len(stale) * G)
+        pages = np.fromiter((p for s in stale for gs in s.groups for p in gs.pages), dtype=np.int64,
+                            count=int(npages.sum()))
+        # list i (segment i // G, group i % G): slot j is pages[first_page[i] + j // ps] * ps + j % ps
+        first_slot, first_page = np.cumsum(lens) - lens, np.cumsum(npages) - npages
+        owner = np.repeat(np.arange(len(lens)), lens)
+        j = np.arange(int(lens.sum())) - first_slot[owner]
+        slots = torch.from_numpy((pages[first_page[owner] + j // page_size] * page_size + j % page_size
+                                  ).astype(np.int32))
+        seg_lens = lens.reshape(-1, G)
+        bounds = np.concatenate([[0], np.cumsum(seg_lens.sum(axis=1))])
+        for i, s in enumerate(stale):
+            offsets = np.cumsum(seg_lens[i]) - seg_lens[i]
+            s._tables = ((s.n, page_size), {host: SlotTable(slots[bounds[i]:bounds[i + 1]], seg_lens[i], offsets)})
+    missing = [s for s in unique if dev not in s._tables[1]]
+    if missing:
+        moved = torch.cat([s._tables[1][host].slots for s in missing]).to(dev, non_blocking=True)
+        at = 0
+        for s in missing:
+            t = s._tables[1][host]
+            s._tables[1][dev] = SlotTable(moved[at:at + t.slots.numel()], t.lengths, t.offsets)
+            at += t.slots.numel()
+    return [s._tables[1][dev] for s in segments]
+
+
 @dataclass
 class Segment:
     """KV of tokens ``[start, start + n)`` held as one slot list per head group (see module docstring)."""
@@ -84,25 +119,8 @@ class Segment:
         """All groups' slot lists as one int32 tensor on ``device`` (default: the host; group-major) with host
         per-group lengths and offsets, cached per device: a segment's lists change only together with its
         token count (decode growth, :meth:`append`), so a step reads each committed segment once per state,
-        not once per group."""
-        dev = torch.device("cpu") if device is None else torch.device(device)
-        key = (self.n, page_size)
-        if self._tables is None or self._tables[0] != key:
-            G = len(self.groups)
-            lens = np.fromiter((gs.length for gs in self.groups), dtype=np.int64, count=G)
-            offsets = np.cumsum(lens) - lens
-            pages = np.fromiter((p for gs in self.groups for p in gs.pages), dtype=np.int64)
-            first_page = np.cumsum([0] + [len(gs.pages) for gs in self.groups])[:-1]
-            group = np.repeat(np.arange(G), lens)  # slot j of group g: pages[first_page[g] + j // ps] * ps + j % ps
-            j = np.arange(int(lens.sum())) - offsets[group]
-            slots = pages[first_page[group] + j // page_size] * page_size + j % page_size
-            host = SlotTable(torch.from_numpy(slots.astype(np.int32)), lens, offsets)
-            self._tables = (key, {torch.device("cpu"): host})
-        tables = self._tables[1]
-        if dev not in tables:
-            host = tables[torch.device("cpu")]
-            tables[dev] = SlotTable(host.slots.to(dev, non_blocking=True), host.lengths, host.offsets)
-        return tables[dev]
+        not once per group. :func:`slot_tables` fills many segments' caches at once."""
+        return slot_tables([self], page_size, device)[0]
 
     @property
     def end(self) -> int:
