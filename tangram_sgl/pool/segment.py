@@ -84,10 +84,10 @@ def slot_tables(segments: Sequence[Segment], page_size: int, device: torch.devic
         slots = torch.from_numpy((pages[first_page[owner] + j // page_size] * page_size + j % page_size
                                   ).astype(np.int32))
         seg_lens = lens.reshape(-1, G)
-        bounds = np.concatenate([[0], np.cumsum(seg_lens.sum(axis=1))])
+        offsets = np.cumsum(seg_lens, axis=1) - seg_lens
+        bounds = np.concatenate([[0], np.cumsum(seg_lens.sum(axis=1))]).tolist()
         for i, s in enumerate(stale):
-            offsets = np.cumsum(seg_lens[i]) - seg_lens[i]
-            s._tables = ((s.n, page_size), {host: SlotTable(slots[bounds[i]:bounds[i + 1]], seg_lens[i], offsets)})
+            s._tables = ((s.n, page_size), {host: SlotTable(slots[bounds[i]:bounds[i + 1]], seg_lens[i], offsets[i])})
     missing = [s for s in unique if dev not in s._tables[1]]
     if missing:
         moved = torch.cat([s._tables[1][host].slots for s in missing]).to(dev, non_blocking=True)
