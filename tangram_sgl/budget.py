@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 BUDGET_QUANTUM = 1_000_000
 
 
@@ -44,9 +46,21 @@ def kept_tokens(budget: float, n: int, start: int, sink: int, window: int) -> in
     return min(n, scored + protected_tokens(n, start, sink, window))
 
 
+def quantize_budgets(budgets: Sequence[float]) -> np.ndarray:
+    """int64 millionths of every budget (:func:`quantize_budget` of each)."""
+    return np.array([quantize_budget(b) for b in budgets], dtype=np.int64)
+
+
+def kept_tokens_quantized(q: np.ndarray, n: int, start: int, sink: int, window: int) -> np.ndarray:
+    """:func:`kept_tokens` of every budget of ``q`` (:func:`quantize_budgets`) at once, int64, the same integers."""
+    if n <= 0:
+        return np.zeros(len(q), dtype=np.int64)
+    return np.minimum(n, -(-q * n // BUDGET_QUANTUM) + protected_tokens(n, start, sink, window))
+
+
 def group_kept_tokens(budgets: Sequence[float], n: int, start: int, sink: int, window: int) -> list[int]:
     """k_g for every group budget of an n-token segment starting at absolute position ``start``."""
-    return [kept_tokens(b, n, start, sink, window) for b in budgets]
+    return kept_tokens_quantized(quantize_budgets(budgets), n, start, sink, window).tolist()
 
 
 def pages_for(tokens: int, page_size: int) -> int:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 
+from tangram_sgl.budget import quantize_budgets
 from tangram_sgl.profile import TangramProfile
 
 
@@ -58,6 +61,11 @@ class HeadGroupLayout:
     @property
     def num_groups(self) -> int:
         return len(self.group_budget)
+
+    @cached_property
+    def group_budget_quantized(self) -> np.ndarray:
+        """int64 [G]: the group budgets in millionths (what every kept count is computed from)."""
+        return quantize_budgets(self.group_budget)
 
     def head_group_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """int32 [L, H]: group of each (layer, kv_head)."""

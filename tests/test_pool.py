@@ -59,6 +59,21 @@ def test_reservation_is_exact_per_group():
     check_invariants(mgr)
 
 
+def test_kept_counts_of_all_groups_at_once_equal_the_scalar_rule():
+    """The vectorised k_g of every group (reservation's path) equals ``kept_tokens`` per budget, including
+    segments shorter than the protected tokens, empty segments and budgets 0 / 1 / a millionth."""
+    import random
+
+    from tangram_sgl.budget import group_kept_tokens
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        budgets = [rng.choice([0.0, 1.0, 1e-6, 0.999999, rng.random(), round(rng.random(), 3)]) for _ in range(6)]
+        n, start, sink, window = rng.randint(-1, 70000), rng.randint(0, 99999), rng.randint(0, 8), rng.randint(0, 64)
+        assert group_kept_tokens(budgets, n, start, sink, window) == [
+            kept_tokens(b, n, start, sink, window) for b in budgets]
+
+
 def test_segment_is_compacted_into_its_slots_per_head():
     mgr = toy_manager(num_pages=64)
     toks = list(range(1, 41))

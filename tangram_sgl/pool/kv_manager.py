@@ -220,6 +220,9 @@ class TangramKVManager:
         req = self.requests[rid]
         counts = segment_kept_counts(self.layout, n_new, len(req.token_ids), self.sink_tokens,
                                      self.recent_window)
+        return self._pages_needed(req, counts, decode_tokens)
+
+    def _pages_needed(self, req: RequestKV, counts: Sequence[int], decode_tokens: int) -> list[int]:
         dec = pages_for(decode_tokens, self.page_size)
         return [pages_for(k, self.page_size) + max(0, dec - len(sp)) for k, sp in zip(counts, req.spare)]
 
@@ -235,9 +238,9 @@ class TangramKVManager:
         if not new_token_ids:
             raise ValueError("a segment needs at least one token")
         start = len(req.token_ids)
-        need = self.pages_needed(rid, len(new_token_ids), decode_tokens)
         counts = segment_kept_counts(self.layout, len(new_token_ids), start, self.sink_tokens,
                                      self.recent_window)
+        need = self._pages_needed(req, counts, decode_tokens)
         self._ensure_free(sum(need), f"request {rid!r} (segment of {len(new_token_ids)} tokens at {start}, "
                                      f"{decode_tokens} decode tokens)")
         pages = self.pool.allocator.alloc(sum(need))

@@ -13,7 +13,7 @@ from functools import cached_property
 
 import torch
 
-from tangram_sgl.budget import group_kept_tokens, pages_for
+from tangram_sgl.budget import kept_tokens_quantized, pages_for
 from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.pool.segment import GroupSlots, Segment
 
@@ -24,7 +24,7 @@ class AdmissionError(RuntimeError):
 
 def segment_kept_counts(layout: HeadGroupLayout, n: int, start: int, sink: int, window: int) -> list[int]:
     """k_g for every group g of an n-token segment starting at absolute position ``start``."""
-    return group_kept_tokens(layout.group_budget, n, start, sink, window)
+    return kept_tokens_quantized(layout.group_budget_quantized, n, start, sink, window).tolist()
 
 
 def pages_per_group(
@@ -32,8 +32,8 @@ def pages_per_group(
 ) -> list[int]:
     """Pages per group for a segment of ``n_new`` tokens at ``start`` plus ``decode_tokens`` decoded ones."""
     ps = layout.page_size
-    dec = pages_for(decode_tokens, ps)
-    return [pages_for(k, ps) + dec for k in segment_kept_counts(layout, n_new, start, sink, window)]
+    kept = kept_tokens_quantized(layout.group_budget_quantized, n_new, start, sink, window)
+    return (-(-kept // ps) + pages_for(decode_tokens, ps)).tolist()
 
 
 @dataclass(frozen=True)
