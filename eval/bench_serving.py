@@ -255,7 +255,7 @@ def short_label(run: dict) -> str:
     name = f"tangram r{ratio:g}" if ratio is not None else run["label"]
     kernel = kind.partition("@")[2] or next((k for k in EXTEND_KERNELS if run["label"].startswith(f"tangram_{k}_")),
                                             "triton")
-    return f"{name} ({kernel}{', prefill graphs' * kind.startswith('tangram-bcg')})"
+    return f"{name} ({kernel}{', prefill graphs' * kind.startswith('tangram-bcg')}{', overlap' * kind.startswith('tangram-ov')})"
 
 
 def plot(runs: list[dict], path: Path) -> None:

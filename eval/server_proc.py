@@ -114,21 +114,24 @@ def server_args(model_path: str, *, profile: str | None, extra: Sequence[str] = 
 def parse_server_spec(spec: str) -> tuple[str, str | None, list[str]]:
     """(label, tangram profile or None, launch arguments) of ``stock:<attention backend>``,
     ``stock-nooverlap:<attention backend>`` (without SGLang's overlap scheduler, as tangram runs),
-    ``tangram:<profile.json>`` or ``tangram@<extend kernel>:<profile.json>``, and ``tangram-bcg...`` (the same
-    with breakable prefill CUDA graphs), the server specs the eval scripts take."""
+    ``tangram:<profile.json>`` or ``tangram@<extend kernel>:<profile.json>``, ``tangram-bcg...`` (the same
+    with breakable prefill CUDA graphs) and ``tangram-ov...`` (with ``--tangram-overlap-schedule``), the server
+    specs the eval scripts take."""
     kind, _, arg = spec.partition(":")
     kind, _, extend_kernel = kind.partition("@")
     if kind == "stock" and arg and not extend_kernel:
         return f"stock_{arg}", None, ["--attention-backend", arg]
     if kind == "stock-nooverlap" and arg and not extend_kernel:
         return f"stock_{arg}_nooverlap", None, ["--attention-backend", arg, "--disable-overlap-schedule"]
-    if kind in ("tangram", "tangram-bcg") and arg:  # the label names the extend kernel, the default one included
-        flags = ["--tangram-extend-kernel", extend_kernel] if extend_kernel else []
-        bcg = kind == "tangram-bcg"
-        flags += ["--cuda-graph-backend-prefill", "breakable"] if bcg else []
-        return f"tangram_{extend_kernel or DEFAULT_EXTEND_KERNEL}_{'bcg_' * bcg}{Path(arg).stem}", arg, flags
+    variants = {"tangram": [], "tangram-bcg": ["--cuda-graph-backend-prefill", "breakable"],
+                "tangram-ov": ["--tangram-overlap-schedule"]}
+    if kind in variants and arg:  # the label names the extend kernel, the default one included
+        flags = (["--tangram-extend-kernel", extend_kernel] if extend_kernel else []) + variants[kind]
+        variant = kind.partition("-")[2]
+        return f"tangram_{extend_kernel or DEFAULT_EXTEND_KERNEL}_{variant + '_' if variant else ''}{Path(arg).stem}", \
+            arg, flags
     raise ValueError(f"server spec {spec!r}: expected stock:<attention backend>, stock-nooverlap:<attention "
-                     f"backend> or tangram[-bcg][@<extend kernel>]:<profile.json>")
+                     f"backend> or tangram[-bcg|-ov][@<extend kernel>]:<profile.json>")
 
 
 PREFILL_LINE = re.compile(r"Prefill batch.*#new-token: (\d+).*input throughput \(token/s\): ([\d.]+)")

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 ENV_POLICY = "TANGRAM_KV_POLICY"
 ENV_PROFILE = "TANGRAM_PROFILE"
 ENV_EXTEND_KERNEL = "TANGRAM_EXTEND_KERNEL"
+ENV_OVERLAP = "TANGRAM_OVERLAP_SCHEDULE"  # "1": --tangram-overlap-schedule (the backend's check reads it)
 EXTEND_KERNELS = ("triton", "flashinfer", "mixed")
 # FlashInfer for prefill chunks (faster on the H200 there, eval/results/bench_extend.json), the Triton kernel for
 # question-sized steps (fewer host launches per layer: 0.67/0.73/0.76 -> 0.82/0.84/0.81x stock, bench_serving_grid)
@@ -66,10 +67,14 @@ def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
                             "(FlashInfer's chunk + per-(request, kv head) prefix passes, planned once per step) or "
                             "'triton' (our Triton extend kernel, one launch per layer; 1.1-2.9x slower than "
                             "FlashInfer on 8k-token chunks, eval/results/bench_extend.json).")
+    group.add_argument("--tangram-overlap-schedule", action="store_true", default=None,
+                       help="Keep SGLang's overlap scheduler (experimental: the order is CPU-tested, not yet run "
+                            "on a GPU; the tangram step still waits for the previous batch at its host-to-device "
+                            "copies). Without it --kv-policy tangram turns the overlap scheduler off.")
 
 
 def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profile_path: str | None,
-                    extend_kernel: str | None = None) -> None:
+                    extend_kernel: str | None = None, overlap: bool | None = None) -> None:
     """Rewrite ServerArgs field values in place for ``policy``; export the policy for child processes.
 
     ``fields`` maps ServerArgs field names to the values the user gave (absent or None = unset).
@@ -80,10 +85,11 @@ def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profil
     if extend_kernel not in (None, *EXTEND_KERNELS):
         raise KvPolicyError(f"--tangram-extend-kernel: expected one of {EXTEND_KERNELS}, got {extend_kernel!r}")
     if policy == "default":
-        if profile_path or extend_kernel:
-            given = "--tangram-profile" if profile_path else "--tangram-extend-kernel"
+        if profile_path or extend_kernel or overlap:
+            given = ("--tangram-profile" if profile_path else "--tangram-extend-kernel" if extend_kernel
+                     else "--tangram-overlap-schedule")
             raise KvPolicyError(f"{given} was given without --kv-policy tangram")
-        for name in (ENV_POLICY, ENV_PROFILE, ENV_EXTEND_KERNEL):
+        for name in (ENV_POLICY, ENV_PROFILE, ENV_EXTEND_KERNEL, ENV_OVERLAP):
             os.environ.pop(name, None)
         return
     if not profile_path:
@@ -109,23 +115,25 @@ def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profil
     for name, off, flag in _UNSUPPORTED:
         if name in fields and fields[name] not in (off, None):
             raise KvPolicyError(f"--kv-policy tangram does not support {flag} (got {fields[name]!r})")
-    _disable_unsupported_defaults(fields)
+    _disable_unsupported_defaults(fields, bool(overlap))
     fields["attention_backend"] = "tangram"
     fields["radix_cache_backend"] = "tangram"
     fields["page_size"] = profile.page_size
     os.environ[ENV_POLICY] = "tangram"
     os.environ[ENV_PROFILE] = str(Path(profile_path).resolve())
     os.environ[ENV_EXTEND_KERNEL] = extend_kernel or DEFAULT_EXTEND_KERNEL
+    os.environ[ENV_OVERLAP] = "1" if overlap else "0"
 
 
-def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
+def _disable_unsupported_defaults(fields: MutableMapping[str, Any], overlap: bool) -> None:
     """Turn off, loudly, the defaults the tangram backend cannot run with yet; refuse explicit requests.
 
     Decode CUDA graphs stay as the user set them (SGLang's default: on). Prefill graphs are off unless asked
     for as breakable graphs (``--cuda-graph-backend-prefill breakable``: attention, with its scoring and
     compaction, runs eagerly between the captured segments; opt-in until measured on the GPU); full and
-    torch.compile prefill graphs are refused. The overlap scheduler is off: the backend reads each step's
-    decoded token ids on the host when it starts.
+    torch.compile prefill graphs are refused. The overlap scheduler is off unless ``overlap``
+    (``--tangram-overlap-schedule``, experimental until run on a GPU); with it, the settings that change the
+    order or the lengths the radix hooks rely on are refused.
     """
     prefill = fields.get("cuda_graph_backend_prefill")
     if prefill not in (None, *PREFILL_GRAPH_BACKENDS):
@@ -135,19 +143,31 @@ def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
     if fields.get("cuda_graph_config") is not None:
         raise KvPolicyError("--kv-policy tangram sets the CUDA-graph phases itself; omit --cuda-graph-config "
                             "(use --cuda-graph-backend-decode / --cuda-graph-max-bs-decode)")
-    if prefill is None or not fields.get("disable_overlap_schedule"):
-        logger.warning("--kv-policy tangram: the overlap scheduler is turned off%s (the tangram backend reads "
-                       "decoded token ids on the host); decode CUDA graphs stay on",
-                       "" if prefill else ", and prefill CUDA graphs unless --cuda-graph-backend-prefill breakable")
+    if overlap:
+        if fields.get("disable_overlap_schedule"):
+            raise KvPolicyError("--tangram-overlap-schedule and --disable-overlap-schedule contradict each other")
+        if os.environ.get("SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP", "").lower() in ("1", "true", "yes"):
+            raise KvPolicyError("--tangram-overlap-schedule does not support SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP "
+                                "(it processes a batch's results between building the next batch and its metadata)")
+        if fields.get("strip_thinking_cache"):
+            raise KvPolicyError("--kv-policy tangram with --tangram-overlap-schedule does not support "
+                                "--strip-thinking-cache (it caches fewer tokens than the backend computed)")
+    off = []
+    if not (overlap or fields.get("disable_overlap_schedule")):
+        off.append("the overlap scheduler is turned off (--tangram-overlap-schedule keeps it, experimental)")
+    if prefill is None:
+        off.append("prefill CUDA graphs are off unless --cuda-graph-backend-prefill breakable")
+    if off:
+        logger.warning("--kv-policy tangram: %s; decode CUDA graphs stay on", "; ".join(off))
     fields["cuda_graph_backend_prefill"] = prefill or "disabled"
-    fields["disable_overlap_schedule"] = True
+    fields["disable_overlap_schedule"] = not overlap
 
 
 def from_cli_args_around(original: Callable, cls: type, args: argparse.Namespace) -> Any:
     """AROUND ServerArgs.from_cli_args: map --kv-policy onto the namespace before SGLang reads it."""
     fields = vars(args)
     apply_kv_policy(fields, fields.pop("kv_policy", None), fields.pop("tangram_profile", None),
-                    fields.pop("tangram_extend_kernel", None))
+                    fields.pop("tangram_extend_kernel", None), fields.pop("tangram_overlap_schedule", None))
     return original(cls, args)
 
 
@@ -156,8 +176,9 @@ def init_around(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Non
     policy = kwargs.pop("kv_policy", None)
     profile = kwargs.pop("tangram_profile", None)
     extend_kernel = kwargs.pop("tangram_extend_kernel", None)
-    if policy is not None or profile is not None or extend_kernel is not None:
-        apply_kv_policy(kwargs, policy, profile, extend_kernel)
+    overlap = kwargs.pop("tangram_overlap_schedule", None)
+    if policy is not None or profile is not None or extend_kernel is not None or overlap is not None:
+        apply_kv_policy(kwargs, policy, profile, extend_kernel, overlap)
     original(self, *args, **kwargs)
 
 

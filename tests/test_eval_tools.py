@@ -188,6 +188,8 @@ def test_server_specs():
         "tangram_flashinfer_x", "/p/x.json", ["--tangram-extend-kernel", "flashinfer"])
     assert parse_server_spec("tangram-bcg:/p/x.json") == (
         "tangram_mixed_bcg_x", "/p/x.json", ["--cuda-graph-backend-prefill", "breakable"])
+    assert parse_server_spec("tangram-ov:/p/x.json") == (
+        "tangram_mixed_ov_x", "/p/x.json", ["--tangram-overlap-schedule"])
     with pytest.raises(ValueError, match="expected stock"):
         parse_server_spec("stock@flashinfer:triton")
 

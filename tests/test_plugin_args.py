@@ -178,6 +178,7 @@ def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_
     import torch
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from tangram_sgl.patches.attention_backend import TangramNotServable
+    from tangram_sgl.patches.server_args import KvPolicyError
 
     from tangram_sgl.attention.backend import TangramAttnBackend
     from tangram_sgl.pool.kv_manager import TangramKVManager
@@ -205,8 +206,21 @@ def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_
     assert bcg.cuda_graph_config.prefill.backend == "breakable"  # opt-in: kept, and the backend serves it
     assert isinstance(ATTENTION_BACKENDS["tangram"](runner(bcg)), TangramAttnBackend)
     overlapped = SimpleNamespace(**{**vars(sa), "disable_overlap_schedule": False})
-    with pytest.raises(TangramNotServable, match="--disable-overlap-schedule"):
+    with pytest.raises(TangramNotServable, match="--tangram-overlap-schedule"):
         ATTENTION_BACKENDS["tangram"](runner(overlapped))
+    # --tangram-overlap-schedule keeps SGLang's overlap scheduler, and the backend serves it
+    ov = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
+                str(profile_path), "--tangram-extend-kernel", "triton", "--tangram-overlap-schedule")
+    assert not ov.disable_overlap_schedule and os.environ["TANGRAM_OVERLAP_SCHEDULE"] == "1"
+    assert isinstance(ATTENTION_BACKENDS["tangram"](runner(ov)), TangramAttnBackend)
+    with pytest.raises(KvPolicyError, match="contradict"):
+        _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
+               str(profile_path), "--tangram-overlap-schedule", "--disable-overlap-schedule")
+    with pytest.raises(KvPolicyError, match="without --kv-policy tangram"):
+        _parse(sglang_loaded, "--model-path", str(model_dir), "--tangram-overlap-schedule")
+    sa = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram",
+                "--tangram-profile", str(profile_path), "--tangram-extend-kernel", "triton")
+    assert sa.disable_overlap_schedule and os.environ["TANGRAM_OVERLAP_SCHEDULE"] == "0"
 
 
 def test_console_script_help():

@@ -132,6 +132,35 @@ def test_slot_lists_are_the_request_lists_in_request_group_order():
     assert indices.tolist() == torch.cat(want).tolist()
 
 
+def test_decoded_ids_opened_unresolved_are_resolved_before_the_tree_keys_them():
+    """A server step opens decode slots without the ids (``UNRESOLVED``): publishing them is refused until
+    ``resolve_tokens`` gives them (from an offset, partially), a disagreeing id raises, and the finished tree
+    holds the real ids (a later request matches them)."""
+    from tangram_sgl.pool.kv_manager import UNRESOLVED
+
+    mgr = toy_manager(num_pages=64)
+    prompt = list(range(1, 20))
+    mgr.admit("a", prompt)
+    prefill(mgr, "a", prompt, decode_tokens=3)
+    for _ in range(3):
+        mgr.open_decode_slots(["a"])
+    assert mgr.requests["a"].token_ids[-3:] == [UNRESOLVED] * 3 and mgr.requests["a"].unresolved_from == 19
+    check_invariants(mgr)
+    with pytest.raises(ValueError, match="token 19 is 77 here"):
+        mgr.requests["a"].token_ids[19] = 77  # as if a different id had been recorded
+        mgr.resolve_tokens("a", [70, 71], offset=19)
+    mgr.requests["a"].token_ids[19] = UNRESOLVED
+    mgr.resolve_tokens("a", [70, 71], offset=19)  # the third id is not known yet
+    assert mgr.requests["a"].unresolved_from == 21 and mgr.requests["a"].decode.token_ids == [70, 71, UNRESOLVED]
+    with pytest.raises(RuntimeError, match="no token id yet"):
+        mgr.finish("a")
+    mgr.resolve_tokens("a", prompt + [70, 71, 72])
+    assert mgr.requests["a"].unresolved_from is None
+    mgr.finish("a")
+    check_invariants(mgr)
+    assert mgr.admit("b", prompt + [70, 71, 72, 5], max_prefix_len=22).length == 22
+
+
 def test_refused_with_a_clear_reason_and_nothing_allocated():
     mgr = toy_manager(num_pages=20)
     toks = list(range(1, 200))

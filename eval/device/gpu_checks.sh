@@ -15,12 +15,14 @@
 #           another class): stock flashinfer; tangram at r0.25, 1.0, 0.5;
 #           merge the returned JSONs here with `python eval/bench_serving.py --merge ...`
 #   bench_r1_triton / bench_r025_triton   the same with --tangram-extend-kernel triton (the default is mixed)
-#   smoke_bcg  the serving smoke with breakable prefill CUDA graphs (--cuda-graph-backend-prefill breakable)
+#   smoke_bcg  the serving smoke with breakable prefill CUDA graphs (--cuda-graph-backend-prefill breakable);
+#           smoke_overlap the same with --tangram-overlap-schedule (SGLang's overlap scheduler kept)
 #   grid_stock / grid_r025 / grid_r05 / grid_r1   one server start each: the short class (4k documents) at 8, 32 and
 #           128 concurrent sessions (TTFT vs load) and the mid class (16k) at 64, a ${GRID_SECONDS:-60} s window each
 #           (GRID_CONTEXTS overrides the classes); grid_stock_nooverlap: stock with --disable-overlap-schedule;
 #           grid_r1_bcg / grid_r025_bcg: tangram with breakable prefill CUDA graphs; grid_r1_fi / grid_r025_fi:
-#           --tangram-extend-kernel flashinfer for every extend step (the default, mixed, runs question-sized ones in Triton)
+#           --tangram-extend-kernel flashinfer for every extend step (the default, mixed, runs question-sized ones in Triton);
+#           grid_r1_ov: --tangram-overlap-schedule
 #   accuracy_qwen  eval/accuracy_server.py on Qwen2.5-Coder-0.5B (stock triton, tangram r0.5 / r0.25) on its CPU run's
 #           conversations, after qwen_join (the GGUF sent as .device-carry/qwen/partNN, one call each, in /tmp/qwen);
 #           accuracy_qwen_ea the same with the expected_attention profiles on their CPU run's conversations
@@ -94,6 +96,7 @@ stage_exact1() { uniform_r1 "$SMOL" /tmp/smollm2.uniform.r1.0.p1.json 1; NAME=ex
 stage_floor() { NAME=exactness_smollm2_floor exact_runs stock:triton stock:flashinfer; }
 stage_smoke_eager() { SMOKE_LABEL=llama8b_dummy_r0.25_eager SMOKE_EXTRA="--cuda-graph-backend-decode disabled" stage_smoke; }
 stage_smoke_bcg() { SMOKE_LABEL=llama8b_dummy_r0.25_bcg SMOKE_EXTRA="--cuda-graph-backend-prefill breakable" stage_smoke; }
+stage_smoke_overlap() { SMOKE_LABEL=llama8b_dummy_r0.25_overlap SMOKE_EXTRA="--tangram-overlap-schedule" stage_smoke; }
 # serving throughput, dummy Llama-3.1-8B, one server per call (a start costs 2 min; stock's first ~4 min: FlashInfer
 # JIT and prefill-graph capture)
 stage_bench_stock() { bench_run stock stock:flashinfer; }
@@ -156,6 +159,9 @@ stage_grid_r025_fi() { grid_run r025_fi tangram@flashinfer:"$R"/tangram_sgl/prof
 # the same with breakable prefill CUDA graphs (--cuda-graph-backend-prefill breakable, opt-in until measured here)
 stage_grid_r1_bcg() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   grid_run r1_bcg tangram-bcg:/tmp/llama-3.1-8b.uniform.r1.0.json; }
+# --tangram-overlap-schedule: SGLang's overlap scheduler kept (experimental)
+stage_grid_r1_ov() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
+  grid_run r1_ov tangram-ov:/tmp/llama-3.1-8b.uniform.r1.0.json; }
 stage_grid_r025_bcg() { grid_run r025_bcg tangram-bcg:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
 stage_soak() { soak_run all "${SOAK_MINUTES:-7}"; }
 # a 10-minute soak over two calls, back to back: the server started by soak_start outlives its call

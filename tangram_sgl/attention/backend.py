@@ -23,8 +23,9 @@ and warm-up forwards carry no requests: while the ``PrefillCudaGraphRunner.captu
 (``tangram_sgl.patches.prefill_graph``) holds :meth:`prefill_capture`, such a batch gets a
 :class:`CaptureExtendStep` (zeros, no cache access); anywhere else a batch without request ids is refused.
 
-Not supported yet, each refused at construction with the flag to use: full / torch.compile prefill CUDA graphs,
-overlap scheduling, tensor / pipeline / data-parallel attention, two-batch overlap, PD multiplexing, speculative
+Overlap scheduling only with ``--tangram-overlap-schedule`` (experimental): rows never read ``input_ids``, the
+decoded ids are resolved by the radix cache from SGLang's ``req``. Not supported yet, each refused at
+construction with the flag to use: full / torch.compile prefill CUDA graphs, tensor / pipeline / data-parallel attention, two-batch overlap, PD multiplexing, speculative
 decoding; per layer: sliding windows, logit capping, cross attention, a model that writes its own KV
 (``save_kv_cache=False``).
 """
@@ -32,6 +33,7 @@ decoding; per layer: sliding windows, logit capping, cross attention, a model th
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -44,7 +46,7 @@ from tangram_sgl.attention.decode_graph import DecodeGraphBuffers, GraphDecodeSt
 from tangram_sgl.attention.forward_step import AttentionContext, ForwardStep
 from tangram_sgl.attention.segment_scoring import PreRope, config_pre_rope, needs_pre_rope
 from tangram_sgl.patches.attention_backend import TangramNotServable
-from tangram_sgl.patches.server_args import PREFILL_GRAPH_BACKENDS
+from tangram_sgl.patches.server_args import ENV_OVERLAP, PREFILL_GRAPH_BACKENDS
 from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
 from tangram_sgl.profile import TangramProfile
 
@@ -58,9 +60,9 @@ def check_server_args(sa: Any) -> None:
         raise TangramNotServable(f"--kv-policy tangram: prefill CUDA graphs run only as breakable graphs (attention "
                                  f"eager between captured segments), not {graphs.prefill.backend!r}; pass "
                                  f"--cuda-graph-backend-prefill breakable or disabled")
-    if not sa.disable_overlap_schedule:
-        raise TangramNotServable("--kv-policy tangram: the tangram attention backend needs the decoded token ids "
-                                 "on the host when a step starts; pass --disable-overlap-schedule")
+    if not sa.disable_overlap_schedule and os.environ.get(ENV_OVERLAP) != "1":
+        raise TangramNotServable("--kv-policy tangram runs SGLang's overlap scheduler only when asked for "
+                                 "(--tangram-overlap-schedule, experimental); pass it or --disable-overlap-schedule")
     for name, flag in (("tp_size", "--tp"), ("pp_size", "--pp"), ("dp_size", "--dp")):
         if getattr(sa, name, 1) != 1:
             raise TangramNotServable(f"--kv-policy tangram runs on one GPU for now; {flag} {getattr(sa, name)} "
@@ -129,8 +131,7 @@ class TangramAttnBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ metadata
     def _host_step(self, forward_batch: Any) -> ForwardStep:
-        rows, decode_ids = batch_rows(forward_batch, self.manager)
-        return self.context.step(rows, decode_ids)
+        return self.context.step(batch_rows(forward_batch, self.manager))
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         """Eager forward: rows -> requests, then the step's slot lists, decode slots and AOT split row (the step

@@ -7,9 +7,9 @@ with the manager under ``req.rid`` before its first extend). The manager's own s
 - EXTEND / MIXED rows whose request has a reserved segment are extend rows; the segment must cover
   exactly ``[extend_prefix_lens[i], extend_prefix_lens[i] + extend_seq_lens[i])``.
 - DECODE rows, and MIXED rows of one token whose request has no reserved segment (the running requests
-  ``mix_with_running`` adds), are decode rows: the token at position ``len(cached tokens)``, whose id is
-  read from ``input_ids`` (a host copy: the forward's inputs are final when metadata is built, since
-  overlap scheduling is refused).
+  ``mix_with_running`` adds), are decode rows: the token at position ``len(cached tokens)``. Its id is not
+  read (``input_ids`` may still be on its way to the GPU under overlap scheduling): the manager records it as
+  unresolved and the radix cache resolves it from SGLang's ``req`` before the tree keys it.
 Anything else (another forward mode, a row that does not match the cache) raises :class:`StepError`.
 """
 
@@ -21,8 +21,8 @@ from tangram_sgl.attention.forward_step import StepError, StepRow
 from tangram_sgl.pool.kv_manager import TangramKVManager
 
 
-def batch_rows(fb: Any, kv: TangramKVManager) -> tuple[list[StepRow], list[int]]:
-    """(rows, decode token ids in row order) of forward batch ``fb`` (see module docstring)."""
+def batch_rows(fb: Any, kv: TangramKVManager) -> list[StepRow]:
+    """The rows of forward batch ``fb`` (see module docstring); no device data is read."""
     mode = fb.forward_mode
     if fb.rids is None or len(fb.rids) != fb.batch_size:
         raise StepError(f"the tangram backend maps batch rows to requests through ForwardBatch.rids, which "
@@ -35,21 +35,16 @@ def batch_rows(fb: Any, kv: TangramKVManager) -> tuple[list[StepRow], list[int]]
             if seq_len != row.start + 1:
                 raise StepError(f"decode row of {row.rid!r}: SGLang's sequence length is {seq_len} but the tangram "
                                 f"cache holds {row.start} tokens of it (+1 being decoded)")
-        return rows, [int(t) for t in fb.input_ids.tolist()]
+        return rows
     if mode.name not in ("EXTEND", "MIXED"):
         raise StepError(f"forward mode {mode.name} is not supported by the tangram attention backend "
                         f"(EXTEND, MIXED and DECODE are)")
-    token_ids = fb.input_ids.tolist() if mode.is_mixed() else None  # decode rows exist only in MIXED batches
-    rows, decode_ids, at = [], [], 0
+    rows = []
     for rid, prefix, n in zip(fb.rids, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
         req = kv.requests.get(rid)
-        if req is not None and req.pending is None and mode.is_mixed() and n == 1:
-            rows.append(StepRow(rid, prefix, 1, decode=True))
-            decode_ids.append(int(token_ids[at]))
-        else:
-            rows.append(StepRow(rid, prefix, n, decode=False))
-        at += n
-    return rows, decode_ids
+        decode = req is not None and req.pending is None and mode.is_mixed() and n == 1
+        rows.append(StepRow(rid, prefix, n, decode=decode))
+    return rows
 
 
 def _cached(kv: TangramKVManager, rid: Any) -> int:

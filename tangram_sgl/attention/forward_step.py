@@ -119,7 +119,7 @@ class AttentionContext:
             self._splits[b] = (torch.tensor(row, dtype=torch.int32, device=self.kv.pool.device), max(row))
         return self._splits[b]
 
-    def step(self, rows: Sequence[StepRow], decode_token_ids: Sequence[int] = ()) -> ForwardStep:
+    def step(self, rows: Sequence[StepRow], decode_token_ids: Sequence[int] | None = None) -> ForwardStep:
         return ForwardStep(self, rows, decode_token_ids)
 
 
@@ -145,7 +145,9 @@ def decode_attend(ctx: AttentionContext, layer: int, q: torch.Tensor, k: torch.T
 class ForwardStep:
     """Metadata and per-layer work of one forward (see module docstring)."""
 
-    def __init__(self, ctx: AttentionContext, rows: Sequence[StepRow], decode_token_ids: Sequence[int]):
+    def __init__(self, ctx: AttentionContext, rows: Sequence[StepRow], decode_token_ids: Sequence[int] | None = None):
+        """``decode_token_ids``: the decode rows' token ids in row order, or None (a server step: recorded as
+        unresolved, see ``TangramKVManager.resolve_tokens``)."""
         kv = ctx.kv
         self.ctx, self.rows = ctx, list(rows)
         if not self.rows:
@@ -154,7 +156,7 @@ class ForwardStep:
         self._check_rows()
         self.extend_rows = [i for i, r in enumerate(self.rows) if not r.decode]
         decode_rows = [i for i, r in enumerate(self.rows) if r.decode]
-        if len(decode_token_ids) != len(decode_rows):
+        if decode_token_ids is not None and len(decode_token_ids) != len(decode_rows):
             raise StepError(f"{len(decode_rows)} decode rows but {len(decode_token_ids)} decode token ids")
         self.decode_only = not self.extend_rows
         dev = kv.pool.device

@@ -3,7 +3,8 @@
 Checked: every allocatable page is exactly one of free / owned by a tree node / owned by a running request
 (free + tree + requests = total, no page twice, page 0 never owned); every (owner, group) holds exactly
 ``pages_for(k_g)`` pages (no over-allocation); k_g follows the budget rule and kept positions are valid;
-tree structure (positions chain, child index, counters, lock counts) and request token bookkeeping; the
+tree structure (positions chain, child index, counters, lock counts; ``deep``: no key an unresolved decoded
+token id) and request token bookkeeping (unresolved ids only from ``unresolved_from`` on); the
 device slot-list mirrors (only of running requests, arena blocks disjoint and accounted; ``deep``: each
 mirror up to date with its request's lists holds a prefix of them, and the batched ``slot_lists`` CSR of
 all running requests equals their per-group ``request_lists``).
@@ -17,7 +18,7 @@ from itertools import pairwise
 import torch
 
 from tangram_sgl.budget import pages_for
-from tangram_sgl.pool.kv_manager import TangramKVManager
+from tangram_sgl.pool.kv_manager import UNRESOLVED, TangramKVManager
 from tangram_sgl.pool.reservation import segment_kept_counts
 from tangram_sgl.pool.segment import Segment
 from tangram_sgl.radix.tree import SegmentTree
@@ -120,6 +121,8 @@ def check_invariants(mgr: TangramKVManager, deep: bool = True) -> None:
     for node in tree.nodes():
         if node.lock_ref != locks[node]:
             _fail(f"tree {node!r}: lock_ref {node.lock_ref} but {locks[node]} holders below it")
+        if deep and UNRESOLVED in node.segment.token_ids:
+            _fail(f"tree {node!r}: a key is an unresolved decoded token id")
 
     reachable = set(tree.nodes())
     for rid, req in mgr.requests.items():
@@ -143,6 +146,9 @@ def check_invariants(mgr: TangramKVManager, deep: bool = True) -> None:
             toks += req.pending.token_ids
         if toks != req.token_ids:
             _fail(f"{where}: token bookkeeping differs from its segments")
+        known = req.token_ids if req.unresolved_from is None else req.token_ids[:req.unresolved_from]
+        if UNRESOLVED in known:
+            _fail(f"{where}: an unresolved token id before its first unresolved position {req.unresolved_from}")
         owners.append((where, list(req.owned_pages())))
 
     all_pages = [p for _, pages in owners for p in pages]

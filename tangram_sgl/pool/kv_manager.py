@@ -32,6 +32,8 @@ from tangram_sgl.profile import TangramProfile
 from tangram_sgl.radix.tree import SegmentNode, SegmentTree
 from tangram_sgl.selection import protected_mask, select_kept_padded
 
+UNRESOLVED = -1  # token id of a decoded token whose id is not known yet (open_decode_slots without ids)
+
 
 @dataclass(frozen=True)
 class PrefixMatch:
@@ -57,6 +59,7 @@ class RequestKV:
     spare: list[list[int]] = field(default_factory=list)  # reserved decode pages per group, not yet used
     version: int = 0  # bumped whenever the slot lists change other than by appending decoded tokens
     decode_page_row: np.ndarray | None = None  # int64 [G]: the decode segment's current page per group, x page size
+    unresolved_from: int | None = None  # first decoded position whose token id is not known yet (UNRESOLVED)
 
     @property
     def prefix_len(self) -> int:
@@ -402,13 +405,15 @@ class TangramKVManager:
         for layer in range(self.layout.num_layers):
             self.write_token_layer(slots, layer, k[layer][None], v[layer][None])
 
-    def open_decode_slots(self, rids: Sequence[Hashable], token_ids: Sequence[int]) -> torch.Tensor:
+    def open_decode_slots(self, rids: Sequence[Hashable], token_ids: Sequence[int] | None = None) -> torch.Tensor:
         """Give each request's next decoded token one slot in every group; int64 ``[R, G]`` slot ids.
 
         The token counts as appended at once (``slot_lists`` includes its slots); its K/V is written layer
         by layer with :meth:`write_token_layer`. Pages come from the reserved decode pages, then the free
         list (evicting unlocked tree nodes); if the whole batch cannot be served, :class:`AdmissionError`
-        is raised before any request changes.
+        is raised before any request changes. Without ``token_ids`` (a server step: the ids may still be on
+        the GPU) the tokens are recorded as ``UNRESOLVED`` until :meth:`resolve_tokens`; slots depend only on
+        positions.
         """
         reqs = [self.requests[rid] for rid in rids]
         for req in reqs:
@@ -423,6 +428,11 @@ class TangramKVManager:
                 req.spare[g].append(p)
         ps = self.page_size
         rows, offs = [], np.empty(len(reqs), dtype=np.int64)
+        if token_ids is None:
+            token_ids = [UNRESOLVED] * len(reqs)
+            for req in reqs:
+                if req.unresolved_from is None:
+                    req.unresolved_from = len(req.token_ids)
         for r, (req, token_id) in enumerate(zip(reqs, token_ids)):
             if req.decode is None:
                 req.decode = Segment(len(req.token_ids), [], True, [GroupSlots() for _ in range(self.num_groups)])
@@ -441,6 +451,29 @@ class TangramKVManager:
         if not rows:
             return torch.empty((0, self.num_groups), dtype=torch.int64)
         return torch.from_numpy(np.stack(rows) + offs[:, None])
+
+    def resolve_tokens(self, rid: Hashable, token_ids: Sequence[int], offset: int = 0) -> None:
+        """Record the ids of ``rid``'s decoded tokens opened without one: ``token_ids[i]`` is the id at position
+        ``offset + i`` of the request's sequence as the scheduler knows it (SGLang's ``origin_input_ids +
+        output_ids``); positions it does not reach stay unresolved. A known position that disagrees raises:
+        the sequence is not this request's."""
+        req = self.requests[rid]
+        if req.unresolved_from is None:
+            return
+        start, end = req.unresolved_from, min(len(req.token_ids), offset + len(token_ids))
+        if start < offset:
+            raise ValueError(f"request {rid!r}: ids from position {start} are unresolved, the sequence starts at "
+                             f"{offset}")
+        for p in range(start, end):
+            if req.token_ids[p] not in (UNRESOLVED, token_ids[p - offset]):
+                raise ValueError(f"request {rid!r}: token {p} is {req.token_ids[p]} here but "
+                                 f"{token_ids[p - offset]} in the sequence given to resolve_tokens")
+        for seg in req.segments + ([req.decode] if req.decode is not None else []):
+            for p in range(max(start, seg.start), min(end, seg.end)):
+                seg.token_ids[p - seg.start] = int(token_ids[p - offset])
+        for p in range(start, end):
+            req.token_ids[p] = int(token_ids[p - offset])
+        req.unresolved_from = end if end < len(req.token_ids) else None
 
     def _decode_groups(self, req: RequestKV) -> list[GroupSlots]:
         return req.decode.groups if req.decode is not None else [GroupSlots()] * self.num_groups
@@ -560,30 +593,38 @@ class TangramKVManager:
         return k, v, pos
 
     # ------------------------------------------------------------------ publish / release
-    def _merged_own_segments(self, req: RequestKV) -> list[Segment]:
-        """The request's committed segments (+ decode), adjacent full page-aligned ones merged."""
+    def _merged_own_segments(self, req: RequestKV, with_decode: bool) -> list[Segment]:
+        """The request's committed segments (+ decode when ``with_decode``), adjacent full page-aligned ones
+        merged; the caller publishes them."""
         segs = list(req.segments)
-        if req.decode is not None and req.decode.n:
+        if with_decode and req.decode is not None and req.decode.n:
             segs.append(req.decode)
+        if req.unresolved_from is not None and segs and segs[-1].end > req.unresolved_from:
+            raise RuntimeError(f"request {req.rid!r}: decoded tokens from position {req.unresolved_from} have no "
+                               f"token id yet (resolve_tokens) and cannot become tree keys")
         merged: list[Segment] = []
         for seg in segs:
             if merged and merged[-1].can_append(seg, self.page_size):
                 merged[-1].append(seg, self.page_size)
             else:
                 merged.append(seg)
-        req.segments, req.decode = [], None
+        req.segments = []
+        if with_decode:
+            req.decode = None
         return merged
 
-    def _insert_own(self, req: RequestKV) -> SegmentNode:
+    def _insert_own(self, req: RequestKV, with_decode: bool = True) -> SegmentNode:
         node = req.node
-        for seg in self._merged_own_segments(req):
+        for seg in self._merged_own_segments(req, with_decode):
             node, _ = self.tree.insert(node, seg)
         return node
 
     def checkpoint(self, rid: Hashable) -> PrefixMatch:
-        """Publish the request's committed segments (chunk boundary) and move its lock to the new leaf."""
+        """Publish the request's committed segments (chunk boundary) and move its lock to the new leaf; an open
+        decode segment stays the request's (under overlap scheduling the last chunk's checkpoint comes after the
+        first decode step)."""
         req = self.requests[rid]
-        node = self._insert_own(req)
+        node = self._insert_own(req, with_decode=False)
         self.tree.lock(node)
         self.tree.unlock(req.node)
         req.node = node

@@ -127,6 +127,14 @@ class TangramRadixCache(BasePrefixCache):
     def _row(self, req: Any, end: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, :end]
 
+    def _resolve(self, req: Any) -> None:
+        """The ids of the request's decoded tokens, which the attention backend opened without reading them."""
+        start = self.manager.requests[req.rid].unresolved_from
+        if start is not None:
+            prompt = len(req.origin_input_ids)
+            tail = list(req.origin_input_ids[start:]) + list(req.output_ids[max(0, start - prompt):])
+            self.manager.resolve_tokens(req.rid, tail, offset=start)
+
     def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:
         """Chunk boundary: publish the request's committed segments and move its lock to the new node."""
         rid = req.rid
@@ -135,6 +143,7 @@ class TangramRadixCache(BasePrefixCache):
         self.manager.commit_if_written(rid)
         if self.manager.requests[rid].pending is not None:
             raise TangramCacheError(f"request {rid!r}: its segment was not fully written by the attention backend")
+        self._resolve(req)
         new_len = self.manager.checkpoint(rid).length
         row = self._row(req, len(req.get_fill_ids()))
         # the tree now owns [cache_protected_len, new_len): their logical ids go back, the row holds null ids
@@ -159,6 +168,11 @@ class TangramRadixCache(BasePrefixCache):
                 raise TangramCacheError(f"request {rid!r} finished with a segment the attention backend did not "
                                         f"fully write")
             else:
+                self._resolve(req)
+                held = len(self.manager.requests[rid].token_ids)
+                if held != kv_len_to_handle:  # overlap scheduling: both count the last token's in-flight KV
+                    raise TangramCacheError(f"request {rid!r} finished with {kv_len_to_handle} tokens of KV in "
+                                            f"SGLang's account but {held} in the tangram cache")
                 self.manager.finish(rid)
         row = self._row(req, kv_len_to_handle)
         self.token_to_kv_pool_allocator.free(row[req.cache_protected_len:].to(torch.int64).clone())
