@@ -566,8 +566,8 @@ class SglangScheduler:
         self.cache.req_to_token_pool.alloc([req])
         return req
 
-    def prefill_chunk(self, req: SimpleNamespace, n: int) -> int:
-        """One chunk of ``n`` prompt tokens (EXTEND); a non-final chunk is cached as SGLang does."""
+    def run_chunk(self, req: SimpleNamespace, n: int) -> int:
+        """The next ``n`` prompt tokens of ``req``: reservation hook, logical ids, EXTEND step; its sampled token."""
         from sglang.srt.mem_cache.allocation import alloc_token_slots
         from tangram_sgl.patches.memory_pool import reserve_for_extend
 
@@ -577,20 +577,27 @@ class SglangScheduler:
         row = self.cache.req_to_token_pool.req_to_token[req.req_pool_idx]
         row[start:start + n] = alloc_token_slots(self.cache, n).to(torch.int32)
         req.prefix_indices = row[:start + n].to(torch.int64).clone()
-        nxt = self.h.step(ForwardMode.EXTEND, [(req.rid, start, list(req.origin_input_ids[start:start + n]))])[0]
-        if start + n < len(req.origin_input_ids):
+        return self.h.step(ForwardMode.EXTEND, [(req.rid, start, list(req.origin_input_ids[start:start + n]))])[0]
+
+    def prefill_chunk(self, req: SimpleNamespace, n: int) -> int:
+        """One chunk of ``n`` prompt tokens (EXTEND); a non-final chunk is cached as SGLang does."""
+        nxt = self.run_chunk(req, n)
+        if len(req.prefix_indices) < len(req.origin_input_ids):
             self.cache.cache_unfinished_req(req, chunked=True)
         else:
             req.output_ids.append(nxt)
         return nxt
 
-    def decode(self, req: SimpleNamespace) -> int:
+    def run_decode(self, req: SimpleNamespace, pos: int, token: int) -> int:
+        """A DECODE step of ``req``'s token ``token`` at position ``pos`` (its logical id allocated)."""
         from sglang.srt.mem_cache.allocation import alloc_token_slots
 
-        pos = len(req.origin_input_ids) + len(req.output_ids) - 1
         self.cache.req_to_token_pool.req_to_token[req.req_pool_idx, pos] = alloc_token_slots(self.cache, 1).to(
             torch.int32)
-        nxt = self.h.step(ForwardMode.DECODE, [(req.rid, pos, [req.output_ids[-1]])])[0]
+        return self.h.step(ForwardMode.DECODE, [(req.rid, pos, [token])])[0]
+
+    def decode(self, req: SimpleNamespace) -> int:
+        nxt = self.run_decode(req, len(req.origin_input_ids) + len(req.output_ids) - 1, req.output_ids[-1])
         req.output_ids.append(nxt)
         return nxt
 
@@ -599,6 +606,17 @@ class SglangScheduler:
                                       kv_len_to_handle=len(req.origin_input_ids) + len(req.output_ids) - 1)
         self.cache.req_to_token_pool.free(req)
         return list(req.output_ids)
+
+
+def _checked_cache_path(budget: float, seed: int, monkeypatch) -> tuple[LlamaForCausalLM, TangramProfile]:
+    """(tiny model, profile at ``budget``: uniform 1.0 or a mixed one) for a test through SGLang's cache path,
+    with the pool invariants checked after every cache operation (the server's debug flag)."""
+    from tangram_sgl.radix.sglang_cache import DEBUG_ENV
+
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    model = tiny_llama(seed)
+    return model, (uniform_profile(model.config, 1.0, page_size=4, heads_per_group=3, sink_tokens=2, recent_window=6)
+                   if budget == 1.0 else mixed_profile(model.config, 4, 3, seed=17))
 
 
 def _logical_ids_free(sched: SglangScheduler) -> int:
@@ -611,25 +629,13 @@ def _overlap_turn(sched: SglangScheduler, req: SimpleNamespace, chunks: tuple[in
     result is processed, so a decode row's input token is not yet in ``req.output_ids`` while its step is
     built; the last chunk's ``cache_unfinished_req`` comes after the first decode step; the finishing token is
     a row of one more batch, whose KV counts in ``kv_len_to_handle``."""
-    from sglang.srt.mem_cache.allocation import alloc_token_slots
-
     for n in chunks[:-1]:
         sched.prefill_chunk(req, n)
-    start = len(req.prefix_indices)
-    n = chunks[-1]
-    req.extend_range = SimpleNamespace(start=start, end=start + n)
-    from tangram_sgl.patches.memory_pool import reserve_for_extend
-
-    reserve_for_extend(SimpleNamespace(tree_cache=sched.cache, reqs=[req]))
-    row = sched.cache.req_to_token_pool.req_to_token[req.req_pool_idx]
-    row[start:start + n] = alloc_token_slots(sched.cache, n).to(torch.int32)
-    req.prefix_indices = row[:start + n].to(torch.int64).clone()
-    on_gpu = sched.h.step(ForwardMode.EXTEND, [(req.rid, start, list(req.origin_input_ids[start:start + n]))])[0]
+    on_gpu = sched.run_chunk(req, chunks[-1])
     first = True
     while True:
-        pos = len(req.origin_input_ids) + len(req.output_ids)  # output_ids lags: on_gpu is not in it yet
-        row[pos] = alloc_token_slots(sched.cache, 1).to(torch.int32)[0]
-        nxt = sched.h.step(ForwardMode.DECODE, [(req.rid, pos, [on_gpu])])[0]
+        # output_ids lags: on_gpu is not in it yet
+        nxt = sched.run_decode(req, len(req.origin_input_ids) + len(req.output_ids), on_gpu)
         req.output_ids.append(on_gpu)  # the previous batch's result, processed after this batch was launched
         if first:  # the last chunk's maybe_cache_unfinished_req, with the first decode slot already open
             sched.cache.cache_unfinished_req(req)
@@ -649,12 +655,7 @@ def test_overlap_scheduling_order_through_sglang_radix_cache(budget, monkeypatch
     the decoded ids resolved from SGLang's ``req`` (the backend never reads ``input_ids``), the tree one token
     longer under overlap (the finishing token's KV was computed), the invariants after every cache operation,
     and every logical id back after each turn."""
-    from tangram_sgl.radix.sglang_cache import DEBUG_ENV
-
-    monkeypatch.setenv(DEBUG_ENV, "1")
-    model = tiny_llama(6)
-    profile = (uniform_profile(model.config, 1.0, page_size=4, heads_per_group=3, sink_tokens=2, recent_window=6)
-               if budget == 1.0 else mixed_profile(model.config, 4, 3, seed=17))
+    model, profile = _checked_cache_path(budget, 6, monkeypatch)
     g = torch.Generator().manual_seed(8)
     prompt = torch.randint(0, VOCAB, (50,), generator=g).tolist()
     question = torch.randint(0, VOCAB, (9,), generator=g).tolist()
@@ -687,12 +688,7 @@ def test_through_sglang_radix_cache_and_reservation_hook(budget, monkeypatch):
     """Two turns of a chunked conversation through SGLang's cache interfaces and the reservation hook; the
     second turn's match covers the first turn (its chunks and answer); every row checked as above; the pool
     invariants hold after every cache operation (the server's debug flag)."""
-    from tangram_sgl.radix.sglang_cache import DEBUG_ENV
-
-    monkeypatch.setenv(DEBUG_ENV, "1")
-    model = tiny_llama(6)
-    profile = (uniform_profile(model.config, 1.0, page_size=4, heads_per_group=3, sink_tokens=2, recent_window=6)
-               if budget == 1.0 else mixed_profile(model.config, 4, 3, seed=17))
+    model, profile = _checked_cache_path(budget, 6, monkeypatch)
     h = Harness(model, profile, pages=900)
     sched = SglangScheduler(h)
     g = torch.Generator().manual_seed(8)
@@ -919,12 +915,7 @@ def test_retraction_and_readmission_keep_requests_isolated(budget, monkeypatch):
     re-admitted on its prompt + answer so far and finishes. Every row equals dense attention over its own
     kept tokens, the invariants (deep) hold after every cache operation, nothing leaks, and at budget 1.0
     B's answer equals an uninterrupted run's."""
-    from tangram_sgl.radix.sglang_cache import DEBUG_ENV
-
-    monkeypatch.setenv(DEBUG_ENV, "1")
-    model = tiny_llama(7)
-    profile = (uniform_profile(model.config, 1.0, page_size=4, heads_per_group=3, sink_tokens=2, recent_window=6)
-               if budget == 1.0 else mixed_profile(model.config, 4, 3, seed=17))
+    model, profile = _checked_cache_path(budget, 7, monkeypatch)
     g = torch.Generator().manual_seed(11)
     shared = torch.randint(0, VOCAB, (40,), generator=g).tolist()
     a_prompt = shared + torch.randint(0, VOCAB, (7,), generator=g).tolist()
@@ -969,13 +960,8 @@ def test_retraction_and_readmission_keep_requests_isolated(budget, monkeypatch):
         assert repredicted == so_far[-1] and answer == uninterrupted
 
 
-@pytest.mark.skipif(DEV != "cuda", reason="host-GPU synchronisation exists only on a CUDA device (GPU test stage)")
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="not yet: the step build's host-to-device copies are "
-                   "blocking, so under --tangram-overlap-schedule it waits for the previous batch there")
-def test_decode_step_build_never_synchronises_the_host():
-    """What overlap scheduling needs beyond the CPU-tested order: building a decode step (rows without token ids,
-    slots opened, device lists appended) only queues GPU work. Expected to fail until the copies are pinned and
-    non-blocking; when it passes, drop the marker."""
+def _two_row_extend_step(decode_tokens: int = 0):
+    """(manager, context, extend step of two compressed fp16 rows "a" and "b", its q / k / v staging)."""
     model = tiny_llama(3)
     profile = mixed_profile(model.config, 4, 2, seed=11)
     kv = TangramKVManager.from_profile(profile, 400, dtype=torch.float16, device=DEV)
@@ -984,11 +970,21 @@ def test_decode_step_build_never_synchronises_the_host():
     for rid, n in (("a", 40), ("b", 25)):
         toks = list(range(1, n + 1))
         kv.admit(rid, toks)
-        kv.reserve(rid, toks, decode_tokens=4)
+        kv.reserve(rid, toks, decode_tokens=decode_tokens)
         rows.append(StepRow(rid, 0, n, False))
-    step = ctx.step(rows)
     q = torch.randn(65, HEADS, HEAD_DIM, device=DEV, dtype=torch.float16)
     k, v = (torch.randn(65, KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.float16) for _ in range(2))
+    return kv, ctx, ctx.step(rows), (q, k, v)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="host-GPU synchronisation exists only on a CUDA device (GPU test stage)")
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="not yet: the step build's host-to-device copies are "
+                   "blocking, so under --tangram-overlap-schedule it waits for the previous batch there")
+def test_decode_step_build_never_synchronises_the_host():
+    """What overlap scheduling needs beyond the CPU-tested order: building a decode step (rows without token ids,
+    slots opened, device lists appended) only queues GPU work. Expected to fail until the copies are pinned and
+    non-blocking; when it passes, drop the marker."""
+    kv, ctx, step, (q, k, v) = _two_row_extend_step(decode_tokens=4)
     for layer in range(LAYERS):
         step.attend(layer, q, k, v, HEAD_DIM ** -0.5)
     step.commit()
@@ -1006,20 +1002,8 @@ def test_extend_layers_never_synchronise_the_host():
     """Once a step's metadata is built, its per-layer work for compressed segments (extend kernel, SnapKV
     scores, selection, segment writes) only queues GPU work: CUDA's sync debug mode raises on any host wait
     (a device copy of per-layer kept counts was one, per row and layer, until the counts lived on the GPU)."""
-    model = tiny_llama(3)
-    profile = mixed_profile(model.config, 4, 2, seed=11)
-    kv = TangramKVManager.from_profile(profile, 400, dtype=torch.float16, device=DEV)
-    ctx = AttentionContext.create(kv, profile)
-    rows = []
-    for rid, n in (("a", 40), ("b", 25)):
-        toks = list(range(1, n + 1))
-        kv.admit(rid, toks)
-        kv.reserve(rid, toks)
-        rows.append(StepRow(rid, 0, n, False))
-    step = ctx.step(rows)
+    kv, _, step, (q, k, v) = _two_row_extend_step()
     assert all(step.compress.values())
-    q = torch.randn(65, HEADS, HEAD_DIM, device=DEV, dtype=torch.float16)
-    k, v = (torch.randn(65, KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.float16) for _ in range(2))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
