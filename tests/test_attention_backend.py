@@ -978,12 +978,10 @@ def _two_row_extend_step(decode_tokens: int = 0):
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="host-GPU synchronisation exists only on a CUDA device (GPU test stage)")
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="not yet: the step build's host-to-device copies are "
-                   "blocking, so under --tangram-overlap-schedule it waits for the previous batch there")
 def test_decode_step_build_never_synchronises_the_host():
     """What overlap scheduling needs beyond the CPU-tested order: building a decode step (rows without token ids,
-    slots opened, device lists appended) only queues GPU work. Expected to fail until the copies are pinned and
-    non-blocking; when it passes, drop the marker."""
+    slots opened, device lists appended) only queues GPU work — its host-to-device copies page-locked and
+    non-blocking (``pool/device_copy.py``); CUDA's sync debug mode raises on any host wait."""
     kv, ctx, step, (q, k, v) = _two_row_extend_step(decode_tokens=4)
     for layer in range(LAYERS):
         step.attend(layer, q, k, v, HEAD_DIM ** -0.5)

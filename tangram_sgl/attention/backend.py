@@ -25,9 +25,9 @@ and warm-up forwards carry no requests: while the ``PrefillCudaGraphRunner.captu
 
 Overlap scheduling only with ``--tangram-overlap-schedule`` (experimental): rows never read ``input_ids``, the
 decoded ids are resolved by the radix cache from SGLang's ``req``. Not supported yet, each refused at
-construction with the flag to use: full / torch.compile prefill CUDA graphs, tensor / pipeline / data-parallel attention, two-batch overlap, PD multiplexing, speculative
-decoding; per layer: sliding windows, logit capping, cross attention, a model that writes its own KV
-(``save_kv_cache=False``).
+construction with the flag to use: full / torch.compile prefill CUDA graphs, tensor / pipeline / data-parallel
+attention, two-batch overlap, PD multiplexing, speculative decoding; per layer: sliding windows, logit capping,
+cross attention, a model that writes its own KV (``save_kv_cache=False``).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from tangram_sgl.attention.segment_scoring import PreRope, ScoredRows, SegmentSc
 from tangram_sgl.kernels.decode import csr_ranges, launch_order
 from tangram_sgl.kernels.flashinfer_extend import FlashInferExtend
 from tangram_sgl.layout import HeadGroupLayout
+from tangram_sgl.pool.device_copy import to_device
 from tangram_sgl.pool.kv_manager import TangramKVManager
 from tangram_sgl.profile import AotSplitTable, TangramProfile
 
@@ -160,27 +161,33 @@ class ForwardStep:
             raise StepError(f"{len(decode_rows)} decode rows but {len(decode_token_ids)} decode token ids")
         self.decode_only = not self.extend_rows
         dev = kv.pool.device
+        if dev.type == "cuda":  # the reservations' device tensors, made on the scheduler's stream (overlap)
+            stream = torch.cuda.current_stream(dev)
+            for i in self.extend_rows:
+                for t in kv.requests[self.rids[i]].pending.device_tensors():
+                    t.record_stream(stream)
         decode_rids = [self.rids[i] for i in decode_rows]
         self.on_arena = False  # decode lists read from kv.device_lists.arena (else host-built CSR lists)
         if self.decode_only:  # the token's slots are part of the lists; its K/V is written before attention
-            self.token_slots = kv.open_decode_slots(decode_rids, decode_token_ids).to(dev)
+            self.token_slots = to_device(kv.open_decode_slots(decode_rids, decode_token_ids), dev)
             self._decode_lists()
             self.splits, self.max_splits = ctx.decode_splits(len(self.rows))
         else:  # committed tokens only; new tokens are read from staging
             indptr, self.kv_indices = kv.slot_lists(self.rids, dev)
-            self.token_slots = kv.open_decode_slots(decode_rids, decode_token_ids).to(dev) if decode_rows else None
-            self.kv_indptr = indptr.to(dev)
+            self.token_slots = to_device(kv.open_decode_slots(decode_rids, decode_token_ids), dev) \
+                if decode_rows else None
+            self.kv_indptr = to_device(indptr, dev)
         lens = torch.tensor([r.n for r in self.rows], dtype=torch.int32)
         offsets = torch.zeros(len(self.rows) + 1, dtype=torch.int32)
         offsets[1:] = torch.cumsum(lens, 0)
         self.offsets = offsets.tolist()
-        self.qo_indptr = offsets.to(dev)
+        self.qo_indptr = to_device(offsets, dev)
         self.max_new = int(lens.max())
         self.fi_step = None
         if ctx.flashinfer_extend is not None and not self.decode_only and self.max_new > ctx.flashinfer_min_new:
             # indptr: the host CSR built above
             self.fi_step = ctx.flashinfer_extend.step(self.offsets, indptr.numpy(), self.kv_indices)
-        self.decode_index = torch.tensor([self.offsets[i] for i in decode_rows], dtype=torch.long, device=dev)
+        self.decode_index = to_device(torch.tensor([self.offsets[i] for i in decode_rows], dtype=torch.long), dev)
         self.compress = {i: not kv.requests[self.rids[i]].pending.full for i in self.extend_rows}
         whole = [i for i in self.extend_rows if not self.compress[i]]  # each kind written in one batch per layer
         self.compressed = [i for i in self.extend_rows if self.compress[i]]
@@ -209,7 +216,7 @@ class ForwardStep:
             ranges = csr_ranges(indptr)
         else:
             self.on_arena, self.kv_indices = True, kv.device_lists.arena
-        self.kv_starts, self.kv_lens = (x.to(dev) for x in ranges)
+        self.kv_starts, self.kv_lens = (to_device(x, dev) for x in ranges)
 
     def _check_rows(self) -> None:
         kv = self.ctx.kv

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tangram_sgl.attention.kernel_set import KernelSet
+from tangram_sgl.pool.device_copy import to_device
 from tangram_sgl.scorers import SegmentTensors, SnapKVScorer, make_scorer
 from tangram_sgl.selection import pad_scores
 
@@ -39,7 +40,7 @@ class ScoredRows:
     def build(cls, offsets: list[int], lengths: list[int], starts: list[int], obs_window: int,
               device: torch.device) -> ScoredRows:
         q_start = [a + n - min(obs_window, n) for a, n in zip(offsets, lengths)]
-        rows = torch.tensor([q_start, offsets, lengths], dtype=torch.int32).to(device)
+        rows = to_device(torch.tensor([q_start, offsets, lengths], dtype=torch.int32), device)
         return cls(offsets, lengths, starts, rows[0], rows[1], rows[2])
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from tangram_sgl.kernels.pieces import piece_positions
+from tangram_sgl.pool.device_copy import to_device
 
 
 class RangeAllocator:
@@ -160,7 +161,7 @@ class DeviceSlotLists:
         if total:  # entry j of group g goes from slots[src_g + j] to arena[starts[g] + j]
             src = np.cumsum(lens) - lens
             dev = self.arena.device
-            shift, count = torch.from_numpy(np.stack([starts - src, lens])).to(dev, non_blocking=True)
+            shift, count = to_device(torch.from_numpy(np.stack([starts - src, lens])), dev)
             self.arena[piece_positions(shift, count, total)] = slots.to(dev, torch.int32)
         row = self._take_row()
         self._table[:, row] = (starts, caps, lens)
@@ -178,7 +179,7 @@ class DeviceSlotLists:
         self._table[2, rows] += 1
         for rid in rids:
             self.mirrors[rid].tokens += 1
-        idx = torch.from_numpy(pos).to(self.arena.device, non_blocking=True)
+        idx = to_device(torch.from_numpy(pos), self.arena.device)
         self.arena[idx] = token_slots.reshape(-1).to(torch.int32)
 
     def ranges_of(self, rids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:

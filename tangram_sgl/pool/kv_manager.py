@@ -23,6 +23,7 @@ import torch
 from tangram_sgl.budget import pages_for
 from tangram_sgl.kernels.pieces import piece_positions
 from tangram_sgl.layout import HeadGroupLayout
+from tangram_sgl.pool.device_copy import to_device
 from tangram_sgl.pool.device_slot_lists import DeviceSlotLists
 from tangram_sgl.pool.group_page_pool import GroupPagePool
 from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, SegmentWrites, segment_kept_counts
@@ -350,7 +351,7 @@ class TangramKVManager:
         # a few device operations for all rows (one gather by the [L, H] head -> group map), not a few per row
         tokens = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lengths)])
         return FullSegmentWrites.build(rids, torch.cat(tables, 1)[self._head_group], self._head_column,
-                                       torch.from_numpy(tokens).to(self.pool.device, non_blocking=True))
+                                       to_device(torch.from_numpy(tokens), self.pool.device))
 
     def write_full_segments_layer(self, plan: FullSegmentWrites, layer: int, k: torch.Tensor,
                                   v: torch.Tensor) -> None:
@@ -542,7 +543,7 @@ class TangramKVManager:
         piece_len, piece_src = piece_len[keep], piece_src[keep]
         piece_dst = np.cumsum(piece_len) - piece_len  # pieces are already in output order
         slots = torch.cat([t.slots for t in flat])
-        meta = torch.from_numpy(np.stack([piece_src - piece_dst, piece_len])).to(slots.device, non_blocking=True)
+        meta = to_device(torch.from_numpy(np.stack([piece_src - piece_dst, piece_len])), slots.device)
         return indptr, slots[piece_positions(meta[0], meta[1], total)]  # shift: source - destination
 
     def _decode_room(self, req: RequestKV) -> list[int]:

@@ -95,6 +95,14 @@ class PendingSegment:
     writes: SegmentWrites | None = None
     protected: torch.Tensor | None = None
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The tensors the reservation put on the pool's device. Made in a scheduler hook, read by the forward:
+        under overlap scheduling those run on different CUDA streams, so the forward marks them
+        (``record_stream``) lest the caching allocator reuse their memory while its kernels still read them."""
+        w = self.writes
+        return [self.slot_table, self.kept_table, *([] if self.protected is None else [self.protected]),
+                *([] if w is None else [w.counts, w.head, w.rank, w.group, w.column, w.slot])]
+
     def host_kept(self, members: list[int], table: torch.Tensor) -> list[torch.Tensor]:
         """Per group g: int32 ``[members[g], k_g]`` kept positions, from ``table``: a host copy of ``kept_table``."""
         return [table[g, :m, :k] for g, (m, k) in enumerate(zip(members, self.kept_counts))]

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tangram_sgl.pool.device_copy import to_device
+
 
 @dataclass
 class GroupSlots:
@@ -90,7 +92,7 @@ def slot_tables(segments: Sequence[Segment], page_size: int, device: torch.devic
             s._tables = ((s.n, page_size), {host: SlotTable(slots[bounds[i]:bounds[i + 1]], seg_lens[i], offsets[i])})
     missing = [s for s in unique if dev not in s._tables[1]]
     if missing:
-        moved = torch.cat([s._tables[1][host].slots for s in missing]).to(dev, non_blocking=True)
+        moved = to_device(torch.cat([s._tables[1][host].slots for s in missing]), dev)
         at = 0
         for s in missing:
             t = s._tables[1][host]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tangram_sgl.pool.device_copy import to_device
 from tangram_sgl.pool.reservation import PendingSegment
 
 
@@ -86,7 +87,7 @@ class CompressedWrites:
         perm = np.repeat(piece_src - piece_dst, piece_len) + np.arange(int(piece_len.sum()))
         rows = np.repeat(np.tile(np.arange(len(per)), num_layers), piece_len)
         bounds = [0, *np.cumsum(piece_len.reshape(num_layers, len(per)).sum(1)).tolist()]
-        perm = torch.from_numpy(perm).to(device)
+        perm = to_device(torch.from_numpy(perm), device)
 
         def gathered(name: str) -> torch.Tensor:
             return torch.cat([getattr(w, name) for w in per])[perm]
@@ -97,9 +98,9 @@ class CompressedWrites:
         for r, (p, width) in enumerate(zip(pendings, kept_widths)):
             kept[r, :, :, :width] = p.kept_table  # anything already written (by another plan) carries over
             p.kept_table = kept[r, :, :, :width]
-        return cls(list(pendings), bounds, torch.from_numpy(rows).to(device),
+        return cls(list(pendings), bounds, to_device(torch.from_numpy(rows), device),
                    gathered("head"), gathered("rank"), gathered("group"), gathered("column"), gathered("slot"),
-                   torch.tensor(list(offsets), dtype=torch.long, device=device),
+                   to_device(torch.tensor(list(offsets), dtype=torch.long), device),
                    torch.stack([w.counts for w in per]),
                    torch.nn.utils.rnn.pad_sequence([p.protected for p in pendings], batch_first=True), kept)
 
