@@ -150,6 +150,8 @@ def test_decoded_ids_opened_unresolved_are_resolved_before_the_tree_keys_them():
         mgr.requests["a"].token_ids[19] = 77  # as if a different id had been recorded
         mgr.resolve_tokens("a", [70, 71], offset=19)
     mgr.requests["a"].token_ids[19] = UNRESOLVED
+    mgr.resolve_tokens("a", prompt)  # nothing decoded in it: nothing changes
+    assert mgr.requests["a"].unresolved_from == 19
     mgr.resolve_tokens("a", [70, 71], offset=19)  # the third id is not known yet
     assert mgr.requests["a"].unresolved_from == 21 and mgr.requests["a"].decode.token_ids == [70, 71, UNRESOLVED]
     with pytest.raises(RuntimeError, match="no token id yet"):

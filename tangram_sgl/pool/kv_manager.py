@@ -465,6 +465,8 @@ class TangramKVManager:
         if start < offset:
             raise ValueError(f"request {rid!r}: ids from position {start} are unresolved, the sequence starts at "
                              f"{offset}")
+        if end <= start:
+            return
         for p in range(start, end):
             if req.token_ids[p] not in (UNRESOLVED, token_ids[p - offset]):
                 raise ValueError(f"request {rid!r}: token {p} is {req.token_ids[p]} here but "
