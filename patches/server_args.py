@@ -69,8 +69,7 @@ def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
                             "FlashInfer on 8k-token chunks, eval/results/bench_extend.json).")
     group.add_argument("--tangram-overlap-schedule", action="store_true", default=None,
                        help="Keep SGLang's overlap scheduler (experimental: the order is CPU-tested, not yet run "
-                            "on a GPU; steps with compressed rows still wait for the GPU at their commit). Without "
-                            "it --kv-policy tangram turns the overlap scheduler off.")
+                            "on a GPU). Without it --kv-policy tangram turns the overlap scheduler off.")
 
 
 def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profile_path: str | None,

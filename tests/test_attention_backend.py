@@ -998,8 +998,9 @@ def test_decode_step_build_never_synchronises_the_host():
 @pytest.mark.skipif(DEV != "cuda", reason="host-GPU synchronisation exists only on a CUDA device (GPU test stage)")
 def test_extend_layers_never_synchronise_the_host():
     """Once a step's metadata is built, its per-layer work for compressed segments (extend kernel, SnapKV
-    scores, selection, segment writes) only queues GPU work: CUDA's sync debug mode raises on any host wait
-    (a device copy of per-layer kept counts was one, per row and layer, until the counts lived on the GPU)."""
+    scores, selection, segment writes) and its commit only queue GPU work: CUDA's sync debug mode raises on any
+    host wait (a device copy of per-layer kept counts was one, per row and layer, until the counts lived on the
+    GPU; the commit's copy of the kept positions another, until it went to page-locked memory behind an event)."""
     kv, _, step, (q, k, v) = _two_row_extend_step()
     assert all(step.compress.values())
     torch.cuda.synchronize()
@@ -1007,9 +1008,9 @@ def test_extend_layers_never_synchronise_the_host():
     try:
         for layer in range(LAYERS):
             step.attend(layer, q, k, v, HEAD_DIM ** -0.5)
+        step.commit()  # the kept positions come to the host without a wait, read later (kept_on_host)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    step.commit()
     check_invariants(kv, deep=True)
 
 

@@ -47,7 +47,7 @@ def _check_segment(mgr: TangramKVManager, seg: Segment, owner: object, deep: boo
     got = [gs.length for gs in seg.groups]
     if got != want:
         _fail(f"{owner}: kept counts {got} differ from the budget rule {want}")
-    for g, kept in enumerate(seg.kept or []):
+    for g, kept in enumerate(seg.kept_on_host() or []):
         if kept.shape != (len(mgr.layout.members[g]), want[g]):
             _fail(f"{owner}: group {g} kept positions have shape {tuple(kept.shape)}")
         if kept.numel() and (kept.min() < 0 or kept.max() >= seg.n or (kept[:, 1:] <= kept[:, :-1]).any()):

@@ -23,7 +23,7 @@ import torch
 from tangram_sgl.budget import pages_for
 from tangram_sgl.kernels.pieces import piece_positions
 from tangram_sgl.layout import HeadGroupLayout
-from tangram_sgl.pool.device_copy import to_device
+from tangram_sgl.pool.device_copy import to_device, to_host
 from tangram_sgl.pool.device_slot_lists import DeviceSlotLists
 from tangram_sgl.pool.group_page_pool import GroupPagePool
 from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, SegmentWrites, segment_kept_counts
@@ -366,21 +366,24 @@ class TangramKVManager:
 
     def commit_segments(self, rids: Sequence[Hashable]) -> list[Segment]:
         """:meth:`commit_segment` of several requests; the kept positions of those that dropped tokens come to
-        the host in one device copy (one synchronisation per extend step, not one per row)."""
+        the host in one device copy that the host does not wait for (``Segment.kept_on_host`` waits at the first
+        read; serving never reads them)."""
         reqs = [self.requests[rid] for rid in rids]
         for req in reqs:
             if req.pending is None:
                 raise RuntimeError(f"request {req.rid!r} has no reserved segment")
         dropped = [req.pending for req in reqs if not req.pending.full]
-        host = {}
+        host, ready = {}, None
         if dropped:
-            flat = torch.cat([p.kept_table.reshape(-1) for p in dropped]).cpu()
+            flat, ready = to_host(torch.cat([p.kept_table.reshape(-1) for p in dropped]))
             parts = flat.split([p.kept_table.numel() for p in dropped])
             host = {id(p): t.view(p.kept_table.shape) for p, t in zip(dropped, parts)}
         members = [len(m) for m in self.layout.members]
         segs = []
         for req in reqs:
             seg = req.pending.to_segment(self.layout.num_layers, members, host.get(id(req.pending)))
+            if not seg.full:
+                seg.kept_ready = ready
             req.segments.append(seg)
             req.pending = None
             req.version += 1

@@ -109,7 +109,8 @@ class Segment:
     token_ids: list[int]
     full: bool
     groups: list[GroupSlots]
-    kept: list[torch.Tensor] | None = None
+    kept: list[torch.Tensor] | None = None  # read through kept_on_host(): its copy from the GPU may be in flight
+    kept_ready: torch.cuda.Event | None = field(default=None, repr=False, compare=False)
     _tables: tuple[tuple[int, int], dict[torch.device, SlotTable]] | None = field(default=None, repr=False,
                                                                                  compare=False)
 
@@ -139,12 +140,20 @@ class Segment:
         """k_g: slots in use in ``group``."""
         return self.groups[group].length
 
+    def kept_on_host(self) -> list[torch.Tensor] | None:
+        """``kept`` once its device-to-host copy (made at commit without waiting) has landed."""
+        if self.kept_ready is not None:
+            self.kept_ready.synchronize()
+            self.kept_ready = None
+        return self.kept
+
     def kept_positions(self, group: int, column: int) -> torch.Tensor:
         """int32 segment-relative positions kept by member ``column`` of ``group``, ascending."""
         if self.full:
             return torch.arange(self.groups[group].length, dtype=torch.int32)
-        assert self.kept is not None
-        return self.kept[group][column]
+        kept = self.kept_on_host()
+        assert kept is not None
+        return kept[group][column]
 
     def can_split(self, at: int, page_size: int) -> bool:
         """A full segment splits at ``0 < at < n`` when ``at`` starts a page of every group's slot list."""
