@@ -21,6 +21,7 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from sglang.srt.environ import envs
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from tangram_sgl.profile import load_profile
@@ -145,7 +146,7 @@ def _disable_unsupported_defaults(fields: MutableMapping[str, Any], overlap: boo
     if overlap:
         if fields.get("disable_overlap_schedule"):
             raise KvPolicyError("--tangram-overlap-schedule and --disable-overlap-schedule contradict each other")
-        if os.environ.get("SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP", "").lower() in ("1", "true", "yes"):
+        if envs.SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP.get():  # SGLang's own reading of the variable
             raise KvPolicyError("--tangram-overlap-schedule does not support SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP "
                                 "(it processes a batch's results between building the next batch and its metadata)")
         if fields.get("strip_thinking_cache"):

@@ -63,6 +63,6 @@ def group_kept_tokens(budgets: Sequence[float], n: int, start: int, sink: int, w
     return kept_tokens_quantized(quantize_budgets(budgets), n, start, sink, window).tolist()
 
 
-def pages_for(tokens: int, page_size: int) -> int:
-    """Pages needed to hold ``tokens`` tokens."""
+def pages_for(tokens: int | np.ndarray, page_size: int) -> int | np.ndarray:
+    """Pages needed to hold ``tokens`` tokens (elementwise for an array of counts)."""
     return -(-tokens // page_size)

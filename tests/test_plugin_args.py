@@ -223,6 +223,21 @@ def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_
     assert sa.disable_overlap_schedule and os.environ["TANGRAM_OVERLAP_SCHEDULE"] == "0"
 
 
+def test_overlap_schedule_refuses_what_breaks_its_order(sglang_loaded, model_dir, profile_path, monkeypatch):
+    """--tangram-overlap-schedule with SGLang's consecutive-prefill overlap switch (read as SGLang reads it, so
+    "y" counts) or --strip-thinking-cache is refused by name."""
+    from tangram_sgl.patches.server_args import KvPolicyError
+
+    args = ("--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile", str(profile_path),
+            "--tangram-overlap-schedule")
+    monkeypatch.setenv("SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP", "y")
+    with pytest.raises(KvPolicyError, match="SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP"):
+        _parse(sglang_loaded, *args)
+    monkeypatch.delenv("SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP")
+    with pytest.raises(KvPolicyError, match="--strip-thinking-cache"):
+        _parse(sglang_loaded, *args, "--strip-thinking-cache")
+
+
 def test_console_script_help():
     out = subprocess.run([str(Path(sys.executable).parent / "tangram-sgl"), "--help"], capture_output=True, check=False,
                          text=True, timeout=120)

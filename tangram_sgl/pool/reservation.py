@@ -33,7 +33,7 @@ def pages_per_group(
     """Pages per group for a segment of ``n_new`` tokens at ``start`` plus ``decode_tokens`` decoded ones."""
     ps = layout.page_size
     kept = kept_tokens_quantized(layout.group_budget_quantized, n_new, start, sink, window)
-    return (-(-kept // ps) + pages_for(decode_tokens, ps)).tolist()
+    return (pages_for(kept, ps) + pages_for(decode_tokens, ps)).tolist()
 
 
 @dataclass(frozen=True)
