@@ -72,13 +72,16 @@ def _extend_kernel(
             offs_n = start + tl.arange(0, BLOCK_N)
             mask_n = offs_n < t_end
             row = (qo_start + offs_n).to(tl.int64) * stride_nt + h * stride_nh
+            # the new tokens in the pool's dtype, as the prefix (and as later steps will read them)
             k = tl.load(KNew + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            k = k.to(K.dtype.element_ty)
             visible = mask_n[None, :] & (offs_n[None, :] <= tok[:, None])
             qk = tl.where(visible, tl.dot(q, tl.trans(k)) * sm_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(qk - m_new[:, None])
             v = tl.load(VNew + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            v = v.to(V.dtype.element_ty)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new

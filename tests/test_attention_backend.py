@@ -779,6 +779,26 @@ def test_pre_rope_scorer_is_refused_for_a_model_whose_rope_is_not_undone():
         TangramAttnBackend(fake_runner(TangramKVManager.from_profile(profile, 64, device=DEV), config), profile)
 
 
+def test_pre_rope_unrotates_on_the_rotary_device_and_inverts_rope():
+    """``unrotate`` inverts transformers' RoPE, and computes on the rotary's device: transformers moves inv_freq
+    to its probe tensor's device, so a CPU probe beside a CUDA rotary failed on the GPU. The ``meta`` device
+    stands in for CUDA here (a copy from it to the CPU raises)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from tangram_sgl.attention.segment_scoring import config_pre_rope, rotary_pre_rope
+
+    config = tiny_llama().config
+    pre = config_pre_rope(config)
+    q = torch.randn(1, HEADS, 5, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    cos, sin = LlamaRotaryEmbedding(config)(q, torch.arange(7, 12)[None])
+    rotated, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    torch.testing.assert_close(pre.unrotate(rotated[0], 7), q[0], atol=1e-5, rtol=1e-5)
+    rotary = LlamaRotaryEmbedding(config)
+    elsewhere = rotary_pre_rope(rotary)
+    rotary.to("meta")
+    assert elsewhere.unrotate(torch.empty(HEADS, 5, HEAD_DIM, device="meta"), 7).device.type == "meta"
+
+
 def test_factory_needs_the_tangram_pool(registry):
     runner = fake_runner(TangramKVManager.from_profile(uniform_profile(tiny_llama().config, 1.0), 8), None)
     runner.token_to_kv_pool = object()

@@ -78,7 +78,7 @@ stage_tests() {  # TESTS: other test files of tests/ (default: the three below)
   local files=() f; for f in ${TESTS:-test_kernels.py test_flashinfer_extend.py test_attention_backend.py}; do
     files+=("$R/tests/$f"); done
   (cd /tmp && TANGRAM_KERNEL_TEST_DEVICE=cuda TANGRAM_ATTN_TEST_DEVICE=cuda timeout 540 python3 -m pytest -q -p no:cacheprovider \
-     "${files[@]}" 2>&1 | tail -40) | tee "$OUT/gpu_tests.log"
+     "${files[@]}" >"$OUT/gpu_tests.log" 2>&1); tail -40 "$OUT/gpu_tests.log"  # the whole log comes back
 }
 stage_smoke() {
   timeout 380 python3 eval/serve_smoke.py --model-path "$DUMMY" --label "${SMOKE_LABEL:-llama8b_dummy_r0.25}" --out "$OUT" \

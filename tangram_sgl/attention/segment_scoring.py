@@ -78,7 +78,9 @@ def rotary_pre_rope(rotary: torch.nn.Module) -> PreRope:
 
     def unrotate(q: torch.Tensor, first_position: int) -> torch.Tensor:
         pos = torch.arange(first_position, first_position + q.shape[1], device=rotary.inv_freq.device)[None]
-        cos, sin = (x[0].to(q.device) for x in rotary(torch.empty(1, dtype=q.dtype), pos))
+        # transformers moves inv_freq to the probe tensor's device: the probe lives beside inv_freq and pos
+        probe = torch.empty(1, dtype=q.dtype, device=rotary.inv_freq.device)
+        cos, sin = (x[0].to(q.device) for x in rotary(probe, pos))
         return q * cos - _rotate_half(q) * sin
 
     return PreRope(rotary.inv_freq.detach().float().cpu(), unrotate)
