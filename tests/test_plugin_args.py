@@ -225,7 +225,7 @@ def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_
 
 def test_overlap_schedule_refuses_what_breaks_its_order(sglang_loaded, model_dir, profile_path, monkeypatch):
     """--tangram-overlap-schedule with SGLang's consecutive-prefill overlap switch (read as SGLang reads it, so
-    "y" counts) or --strip-thinking-cache is refused by name."""
+    "y" counts), --strip-thinking-cache or --enable-mixed-chunk is refused by name."""
     from tangram_sgl.patches.server_args import KvPolicyError
 
     args = ("--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile", str(profile_path),
@@ -236,6 +236,9 @@ def test_overlap_schedule_refuses_what_breaks_its_order(sglang_loaded, model_dir
     monkeypatch.delenv("SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP")
     with pytest.raises(KvPolicyError, match="--strip-thinking-cache"):
         _parse(sglang_loaded, *args, "--strip-thinking-cache")
+    with pytest.raises(KvPolicyError, match="--enable-mixed-chunk"):
+        _parse(sglang_loaded, *args, "--enable-mixed-chunk")
+    _parse(sglang_loaded, *args[:-1], "--enable-mixed-chunk")  # without overlap: served
 
 
 def test_console_script_help():
