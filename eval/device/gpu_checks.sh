@@ -38,6 +38,7 @@
 #   kernels  eval/bench_kernels.py: Triton block-config tune, decode CTA-target study, then the batch 16-64 x 32k/64k
 #           grid at the study's best target (FlashInfer columns copied from bench_kernels_aot2.json)
 #   kernels_short  the same kernel at the short class's decode shapes (batch 32/128 x 4k, budgets 1.0/0.25) beside FlashInfer
+#           (kernels_short_configs: those shapes under each of the tune's block configs, Triton only)
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 #           (the serving FlashInfer path included); writes its JSON after every case
 # Logs and JSON go to $OUT (the device tool brings them back).
@@ -188,6 +189,11 @@ stage_kernels() { (cd /tmp && timeout 580 python3 "$R"/eval/bench_kernels.py --n
 stage_kernels_short() { (cd /tmp && timeout 560 python3 "$R"/eval/bench_kernels.py --no-tune --study-targets '' \
   --no-anchor --fi-baselines uncompressed --batches 32,128 --contexts 4096 --budgets 1.0,0.25 \
   --out "$OUT"/bench_kernels_short.json 2>&1 | tail -30); }
+# the same shapes under each block config of the tune (the default was tuned at 32k contexts), Triton only
+stage_kernels_short_configs() { local cfg; for cfg in 128,4,2 128,4,3 64,4,3 64,4,4 32,4,6 128,8,3; do
+  (cd /tmp && timeout 120 python3 "$R"/eval/bench_kernels.py --no-tune --triton-config "$cfg" --study-targets '' \
+    --no-anchor --no-flashinfer --fi-from "$R"/eval/results/bench_kernels_short.json --batches 32,128 --contexts 4096 \
+    --budgets 1.0,0.25 --out "$OUT"/bench_kernels_short_cfg${cfg//,/_}.json 2>&1 | tail -6); done; }
 stage_extend() { (cd /tmp && timeout 540 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 # the GPU server's accuracy vs the CPU reference run, same conversations (after `smol`; ~3 min per server)
 stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \
