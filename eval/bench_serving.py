@@ -46,6 +46,7 @@ from server_proc import (
     prefill_chunk_rates,
     server_args,
 )
+from server_trace import TraceTrigger, summarize_trace
 from tangram_sgl.patches.server_args import EXTEND_KERNELS
 
 from tangram_sgl.profile import load_profile
@@ -113,6 +114,32 @@ def flush_cache(url: str, timeout_s: float = 90.0) -> None:
         time.sleep(2)
 
 
+def traced(url: str, label: str, run: dict, a: argparse.Namespace) -> TraceTrigger | None:
+    """With ``--trace-steps``, for the run ``--trace-at`` names: a started :class:`TraceTrigger` (profiling
+    starts once 3/4 of the run's concurrency is running)."""
+    if not a.trace_steps or a.trace_at != f"{run['context']}@{run['concurrency']}":
+        return None
+    trigger = TraceTrigger(url, a.out / "traces", max(1, run["concurrency"] * 3 // 4), a.trace_steps,
+                           f"{label}_{run['context']}_c{run['concurrency']}", a.replay_timeout)
+    trigger.start()
+    return trigger
+
+
+def trace_summary(trigger: TraceTrigger, a: argparse.Namespace, wait_s: float = 60.0) -> dict:
+    """The summary of ``trigger``'s trace (SGLang writes it some seconds after the last traced step), or why
+    there is none."""
+    trigger.stop()
+    trigger.join(10)
+    if trigger.started_at is None:
+        return {"error": trigger.error or "the profile was not started"}
+    deadline = time.time() + wait_s
+    while not (files := sorted(trigger.output_dir.glob(f"{trigger.profile_id}*.trace.json*"))):
+        if time.time() > deadline:
+            return {"error": f"no trace file in {trigger.output_dir} {wait_s:.0f} s after the replay"}
+        time.sleep(2)
+    return {"steps": a.trace_steps, **summarize_trace(files[0])}
+
+
 def run_server(spec: str, plan: list[tuple[str, int, int]], a: argparse.Namespace) -> list[dict]:
     """One server start for ``spec``, an unmeasured warm-up replay (first-request compilation and allocation out
     of the measured windows), then one replay per (context, concurrency) of ``plan``, each from an empty prefix
@@ -145,10 +172,13 @@ def run_server(spec: str, plan: list[tuple[str, int, int]], a: argparse.Namespac
             since = len(server.log.read_text(errors="replace"))
             try:
                 flush_cache(server.url)
+                trigger = traced(server.url, label, run, a)
                 t0 = time.time()
                 out = a.out / f"replay_{label}_{run['context']}_c{run['concurrency']}.json"
                 doc = replay(server.url, server.served_model(), a.model_path, run, a, out)
                 run["replay_wall_s"] = time.time() - t0
+                if trigger is not None:
+                    run["trace"] = trace_summary(trigger, a)
                 run["summary"] = doc["summary"]
                 metrics = requests.get(server.url + "/metrics", timeout=30).text
                 run["gpu_memory_used_mib"] = gpu_memory_used_mib()
@@ -197,11 +227,14 @@ def _window(doc: dict) -> float | None:
 
 def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
     """(runs, workload args, {versions, device}) of several result files of this script, which must share
-    one workload (some files may measure only some of its contexts), replay window (:func:`_window`) and device
-    (else ValueError); each run keeps the command
+    one workload (some files may measure only some of its contexts), replay window (:func:`_window`) and device,
+    and hold no traced run (``--trace-steps``) (else ValueError); each run keeps the command
     and date it was measured with. A later file's run of the same server label, context and concurrency
     replaces an earlier one (a re-measurement, e.g. after a change), noting the date it supersedes."""
     docs = [json.loads(p.read_text()) for p in paths]
+    traced_runs = [f"{p.name}: {r['label']}" for p, d in zip(paths, docs) for r in d["data"]["runs"] if "trace" in r]
+    if traced_runs:
+        raise ValueError(f"traced runs pay the profiler's overhead and are not merged: {', '.join(traced_runs)}")
     first = docs[0]
     window_of = [_window(d) for d in docs]
     windows = {w for w in window_of if w is not None}
@@ -341,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay-timeout", type=float, default=480)
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the unmeasured warm-up replay (2 sessions, 1k documents) after each server start")
+    p.add_argument("--trace-steps", type=int, default=0,
+                   help="profile this many scheduler steps of the --trace-at replay through SGLang's /start_profile "
+                        "(GPU kernel time per kernel name in the result; the run's throughput is then not merged)")
+    p.add_argument("--trace-at", default="short@8", help="CONTEXT@CONCURRENCY of the replay --trace-steps profiles")
     p.add_argument("--port", type=int, default=30200)
     p.add_argument("--name", default="bench_serving")
     p.add_argument("server_extra", nargs="*", help="after --: more launch_server arguments for every server")
@@ -362,6 +399,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in mine:
             tput = r["summary"]["output_tokens_per_s"]
             summary.append(summary_row(f"{r['label']} {name}: output tokens/s", round(tput, 1), "tok/s"))
+            if "gpu_busy_us" in r.get("trace", {}):
+                t = r["trace"]
+                summary.append(summary_row(f"{r['label']} {name}: traced, GPU busy per step ({t['steps']} steps; "
+                                           f"tangram kernels {t['tangram_kernel_us'] / t['kernel_us']:.0%} of kernel "
+                                           f"time)", round(t["gpu_busy_us"] / t["steps"] / 1000, 3), "ms"))
             if r.get("prefill_chunk_tok_s"):
                 rates = r["prefill_chunk_tok_s"]
                 summary.append(summary_row(

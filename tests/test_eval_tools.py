@@ -145,6 +145,85 @@ def test_bench_server_warms_up_then_replays_every_load_from_a_flushed_cache(tmp_
     assert all(r["max_total_num_tokens"] == 100000 and "error" not in r for r in runs)
 
 
+
+def _fake_sglang(running: int):
+    """An HTTP server answering as SGLang does: ``/metrics`` with ``running`` requests running, and
+    ``/start_profile``, after which a Chrome trace (one tangram and one other kernel) lands in its output_dir."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            body = f'sglang:num_running_reqs{{model_name="m"}} {running}.0\n'.encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            events = [{"cat": "kernel", "name": "_decode_split_kernel", "ts": 0, "dur": 300.0},
+                      {"cat": "kernel", "name": "nvjet_gemm", "ts": 100, "dur": 900.0}]
+            with gzip.open(Path(req["output_dir"]) / f"{req['profile_id']}-TP-0.trace.json.gz", "wt") as f:
+                json.dump({"traceEvents": events}, f)
+            self.send_response(200)
+            self.end_headers()
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+@pytest.mark.parametrize("running, traced", [(6, True), (5, False)])
+def test_bench_traces_the_named_replay_once_it_is_loaded(tmp_path, monkeypatch, running, traced):
+    """--trace-steps: once 3/4 of the --trace-at replay's sessions run, SGLang's profiler is started; the run
+    carries the trace's kernel summary (tangram kernels marked) and a traced file is never merged."""
+    httpd = _fake_sglang(running)
+
+    class FakeServer:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+
+        def __init__(self, args, log, port):
+            self.log = log
+            log.write_text("")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def wait_ready(self):
+            return 1.0
+
+        def served_model(self):
+            return "m"
+
+    monkeypatch.setattr(bench_serving, "ServerProcess", FakeServer)
+    monkeypatch.setattr(bench_serving, "replay", lambda *a, **k: __import__("time").sleep(1) or {
+        "summary": {"prompt_tokens": 1, "turns_ok": 1, "output_tokens_per_s": 5.0, "ttft_s": {"p50": 0.1, "p90": 0.2}}})
+    monkeypatch.setattr(bench_serving, "flush_cache", lambda url: None)
+    monkeypatch.setattr(bench_serving, "gpu_memory_used_mib", lambda: None)
+    bench_serving.main(["--model-path", "m", "--servers", "stock:flashinfer", "--contexts", "short=4096@8,32",
+                        "--no-warmup", "--trace-steps", "4", "--replay-timeout", "3", "--out", str(tmp_path),
+                        "--name", "t"])
+    httpd.shutdown()
+    doc = json.loads((tmp_path / "t.json").read_text())
+    trace = doc["data"]["runs"][0]["trace"]
+    assert "trace" not in doc["data"]["runs"][1]  # only the --trace-at replay (default short@8)
+    if not traced:
+        assert trace == {"error": "never saw 6 running requests"}
+        return
+    assert (trace["steps"], trace["kernel_us"], trace["gpu_busy_us"], trace["tangram_kernel_us"]) == (4, 1200, 1000, 300)
+    assert [k["tangram"] for k in trace["top_kernels"]] == [False, True]
+    rows = {r["metric"]: r["value"] for r in doc["summary"]}
+    assert rows["stock_flashinfer short x8: traced, GPU busy per step (4 steps; tangram kernels 25% of kernel time)"] \
+        == 0.25
+    with pytest.raises(ValueError, match="not merged"):
+        bench_serving.merged_runs([tmp_path / "t.json"])
+
 def test_bench_results_merge_across_windows_only_when_the_window_cut_nothing(tmp_path):
     """A run that finished every turn inside a shorter window measured what a longer one would have."""
     cut = _bench_file(tmp_path / "a.json", "24", duration="240", cut=24, wall_s=240.0)
