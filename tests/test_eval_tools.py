@@ -99,30 +99,32 @@ def test_bench_load_sweep_is_summarised_and_plotted_per_concurrency(tmp_path):
     assert (tmp_path / "o" / "m_load.png").stat().st_size > 10_000
 
 
+class FakeServer:
+    """bench_serving's view of a started server (what ServerProcess gives it), without a process."""
+
+    url = "http://fake"
+
+    def __init__(self, args, log, port):
+        self.log = log
+        log.write_text("chunked_prefill_size=8192 max_total_num_tokens=100000\n")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_ready(self):
+        return 1.5
+
+    def served_model(self):
+        return "m"
+
+
 def test_bench_server_warms_up_then_replays_every_load_from_a_flushed_cache(tmp_path, monkeypatch):
     """One server start per spec: an unmeasured warm-up, then per (context, concurrency) a flush and a replay,
     each run parsing only its own share of the server log."""
     calls = []
-
-    class FakeServer:
-        url = "http://fake"
-
-        def __init__(self, args, log, port):
-            self.log = log
-            log.write_text("chunked_prefill_size=8192 max_total_num_tokens=100000\n")
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def wait_ready(self):
-            return 1.5
-
-        def served_model(self):
-            return "m"
-
     def fake_replay(url, model, tokenizer, run, a, out, questions=None):
         calls.append(("replay", run["doc_tokens"], run["concurrency"], run.get("sessions"), questions))
         with (a.out / "server_bench_stock_flashinfer.log").open("a") as log:
@@ -181,26 +183,7 @@ def test_bench_traces_the_named_replay_once_it_is_loaded(tmp_path, monkeypatch, 
     """--trace-steps: once 3/4 of the --trace-at replay's sessions run, SGLang's profiler is started; the run
     carries the trace's kernel summary (tangram kernels marked) and a traced file is never merged."""
     httpd = _fake_sglang(running)
-
-    class FakeServer:
-        url = f"http://127.0.0.1:{httpd.server_address[1]}"
-
-        def __init__(self, args, log, port):
-            self.log = log
-            log.write_text("")
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def wait_ready(self):
-            return 1.0
-
-        def served_model(self):
-            return "m"
-
+    monkeypatch.setattr(FakeServer, "url", f"http://127.0.0.1:{httpd.server_address[1]}")
     monkeypatch.setattr(bench_serving, "ServerProcess", FakeServer)
     monkeypatch.setattr(bench_serving, "replay", lambda *a, **k: __import__("time").sleep(1) or {
         "summary": {"prompt_tokens": 1, "turns_ok": 1, "output_tokens_per_s": 5.0, "ttft_s": {"p50": 0.1, "p90": 0.2}}})
