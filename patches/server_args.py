@@ -133,8 +133,9 @@ def _disable_unsupported_defaults(fields: MutableMapping[str, Any], overlap: boo
     for as breakable graphs (``--cuda-graph-backend-prefill breakable``: attention, with its scoring and
     compaction, runs eagerly between the captured segments; opt-in until measured on the GPU); full and
     torch.compile prefill graphs are refused. The overlap scheduler is off unless ``overlap``
-    (``--tangram-overlap-schedule``, experimental until run on a GPU); with it, the settings that change the
-    order or the lengths the radix hooks rely on are refused.
+    (``--tangram-overlap-schedule``, experimental: served on the H200, its outputs not yet compared with the
+    non-overlap server's); with it, the settings that change the order or the lengths the radix hooks rely on
+    are refused.
     """
     prefill = fields.get("cuda_graph_backend_prefill")
     if prefill not in (None, *PREFILL_GRAPH_BACKENDS):

@@ -193,7 +193,8 @@ stage_kernels_short() { (cd /tmp && timeout 560 python3 "$R"/eval/bench_kernels.
   --no-anchor --fi-baselines uncompressed --batches 32,128 --contexts 4096 --budgets 1.0,0.25 \
   --out "$OUT"/bench_kernels_short.json 2>&1 | tail -30); }
 # the same shapes under each block config of the tune (the default was tuned at 32k contexts), Triton only
-stage_kernels_short_configs() { local cfg; for cfg in 128,4,2 128,4,3 64,4,3 64,4,4 32,4,6 128,8,3; do
+stage_kernels_short_configs() { local cfg; for cfg in $(cd "$R"/eval && python3 -c \
+    "from bench_kernels import TUNE_CONFIGS; print(*(','.join(map(str, c)) for c in TUNE_CONFIGS))"); do
   (cd /tmp && timeout 120 python3 "$R"/eval/bench_kernels.py --no-tune --triton-config "$cfg" --study-targets '' \
     --no-anchor --no-flashinfer --fi-from "$R"/eval/results/bench_kernels_short.json --batches 32,128 --contexts 4096 \
     --budgets 1.0,0.25 --out "$OUT"/bench_kernels_short_cfg${cfg//,/_}.json 2>&1 | tail -6); done; }
