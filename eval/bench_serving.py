@@ -162,9 +162,12 @@ def run_server(spec: str, plan: list[tuple[str, int, int]], a: argparse.Namespac
         if ready_s is not None and a.warmup:
             warm = {"doc_tokens": 1024, "concurrency": 2, "sessions": 2}
             try:
-                replay(server.url, server.served_model(), a.model_path, warm, a,
-                       a.out / f"replay_{label}_warmup.json", questions=1)
+                doc = replay(server.url, server.served_model(), a.model_path, warm, a,
+                             a.out / f"replay_{label}_warmup.json", questions=1)
+                if not doc["summary"]["turns_ok"]:
+                    raise TimeoutError("no warm-up turn finished (in the replay window, if one was set)")
             except Exception as e:  # noqa: BLE001 (the measured replays still run; each run says it)
+                server.dump_stacks()
                 for run in runs:
                     run["warmup_error"] = f"{type(e).__name__}: {e}"
         for run in runs if ready_s is not None else []:
@@ -186,6 +189,7 @@ def run_server(spec: str, plan: list[tuple[str, int, int]], a: argparse.Namespac
                 run["kept_fraction"] = kept / full if kept is not None and full else (None if profile else 1.0)
                 run["host_built_decode_steps"] = gauge(metrics, "tangram_host_built_decode_steps")
             except Exception as e:  # noqa: BLE001 (recorded; the other replays still go)
+                server.dump_stacks()
                 run["error"] = f"{type(e).__name__}: {e}"
             spans.append((since, len(server.log.read_text(errors="replace"))))
     log = server.log.read_text(errors="replace")

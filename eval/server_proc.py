@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,6 +81,22 @@ class ServerProcess:
 
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def dump_stacks(self, timeout_s: float = 60.0) -> bool:
+        """Append every server process's Python stack (``py-spy dump --subprocesses``) to the log: what a stuck
+        scheduler is doing. False when py-spy is not on PATH or the server is gone."""
+        spy = shutil.which("py-spy")
+        if spy is None or self.pid is None or not self.alive():
+            return False
+        try:
+            out = subprocess.run([spy, "dump", "--pid", str(self.pid), "--subprocesses"], check=False,
+                                 capture_output=True, text=True, timeout=timeout_s)
+            text = out.stdout + out.stderr
+        except subprocess.TimeoutExpired:
+            text = f"py-spy dump did not finish in {timeout_s:.0f} s"
+        with open(self.log, "a") as f:
+            f.write(f"\n==== py-spy dump at {time.strftime('%H:%M:%S')} ====\n{text}\n")
+        return True
 
     def stop(self) -> None:
         if self.pid is None or not self.alive():

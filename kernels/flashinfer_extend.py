@@ -158,6 +158,26 @@ class FlashInferExtend:
     def num_kv_heads(self) -> int:
         return self.rank_group.shape[1]
 
+    def warm_up(self, num_q_heads: int, head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        """Run every FlashInfer kernel a step can use once, on a tiny step, so that FlashInfer's JIT compiles them
+        now rather than inside the first long prompt's forward (minutes on a fresh machine, the scheduler stuck
+        meanwhile; SGLang's own warm-up sends a prompt short enough for the Triton kernel under ``mixed``)."""
+        import flashinfer
+
+        dev, groups, hkv = self.device, int(self.rank_group.max()) + 1, self.num_kv_heads
+        rows = 2 * self.heads_per_group * self.page_size  # above every pseudo-page id of slots 0 and 1
+        k_buf, v_buf = (torch.zeros(rows, head_dim, dtype=kv_dtype, device=dev) for _ in range(2))
+        indptr = np.arange(groups + 1, dtype=np.int64) * 2  # one row, two prefix slots in every group
+        indices = torch.tensor([0, 1] * groups, dtype=torch.int32, device=dev)
+        q = torch.zeros(2, num_q_heads, head_dim, dtype=q_dtype, device=dev)
+        kv_new = torch.zeros(2, hkv, head_dim, dtype=q_dtype, device=dev)
+        self.step([0, 2], indptr, indices).attend(0, q, kv_new, kv_new, k_buf, v_buf, head_dim ** -0.5)
+        # the merge of several prefix pieces (a step's pieces come only with long prefixes)
+        states = torch.zeros(2, 2, num_q_heads, head_dim, dtype=q_dtype, device=dev)
+        flashinfer.merge_states(states, torch.zeros(2, 2, num_q_heads, dtype=torch.float32, device=dev))
+        if self.cuda:
+            torch.cuda.synchronize(dev)
+
     def step(self, offsets: Sequence[int], kv_indptr: np.ndarray, kv_indices: torch.Tensor) -> FlashInferExtendStep:
         """Plans of one step whose rows have new tokens ``[offsets[r], offsets[r+1])`` over the committed
         slot lists ``(kv_indptr`` on the host, ``kv_indices`` on the device) of ``TangramKVManager.slot_lists``."""

@@ -74,7 +74,8 @@ def server_args(**changes) -> SimpleNamespace:
 def fake_runner(kv: TangramKVManager, config, **sa_changes) -> SimpleNamespace:
     """The attributes of SGLang's ModelRunner the backend reads."""
     return SimpleNamespace(server_args=server_args(**sa_changes), token_to_kv_pool=TangramKVCache(kv, 4096, DEV),
-                           req_to_token_pool=None, model_config=SimpleNamespace(hf_config=config), device=DEV)
+                           req_to_token_pool=None, model_config=SimpleNamespace(hf_config=config), device=DEV,
+                           dtype=kv.pool.k_buffer.dtype)
 
 
 def mixed_profile(config, page_size: int, heads_per_group: int, seed: int, scorer: str = "snapkv",
@@ -753,6 +754,20 @@ def test_factory_builds_the_backend_from_the_runner(registry, tmp_path, monkeypa
     monkeypatch.setenv("TANGRAM_EXTEND_KERNEL", "cutlass")  # what --tangram-extend-kernel exports reaches it
     with pytest.raises(ValueError, match="unknown extend kernel 'cutlass'"):
         registry["tangram"](fake_runner(kv, model.config))
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="FlashInfer extend needs the pool on CUDA (TANGRAM_ATTN_TEST_DEVICE=cuda)")
+def test_flashinfer_extend_kernels_are_warmed_up_when_the_backend_starts(registry, tmp_path, monkeypatch):
+    """Under ``mixed`` SGLang's warm-up prompt takes the Triton kernel: the backend itself must run FlashInfer's
+    passes once, or their JIT compile stalls the scheduler inside the first long prompt (session 15)."""
+    model = tiny_llama()
+    profile = uniform_profile(model.config, 0.5, page_size=16, heads_per_group=2)
+    profile.save(tmp_path / "profile.json")
+    monkeypatch.setenv("TANGRAM_PROFILE", str(tmp_path / "profile.json"))
+    monkeypatch.setenv("TANGRAM_EXTEND_KERNEL", "mixed")
+    kv = TangramKVManager.from_profile(profile, 64, device=DEV)
+    fi = registry["tangram"](fake_runner(kv, model.config)).context.flashinfer_extend
+    assert fi is not None and fi.chunk.event is not None and fi.prefix.event is not None  # both passes planned
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -120,6 +120,11 @@ class FakeServer:
     def served_model(self):
         return "m"
 
+    def dump_stacks(self):
+        with self.log.open("a") as f:
+            f.write("==== py-spy dump ====\n")
+        return True
+
 
 def test_bench_server_warms_up_then_replays_every_load_from_a_flushed_cache(tmp_path, monkeypatch):
     """One server start per spec: an unmeasured warm-up, then per (context, concurrency) a flush and a replay,
@@ -146,6 +151,42 @@ def test_bench_server_warms_up_then_replays_every_load_from_a_flushed_cache(tmp_
         ("short", 2, 2), ("short", 8, 8), ("mid", 3, 3)]
     assert all(r["max_total_num_tokens"] == 100000 and "error" not in r for r in runs)
 
+
+
+def test_a_stuck_server_is_reported_with_its_stacks(tmp_path, monkeypatch):
+    """A warm-up that finishes no turn, and a replay whose cache flush times out (a scheduler stuck in one long
+    call, session 15), are each an error of the runs, with the server's Python stacks in its log."""
+    monkeypatch.setattr(bench_serving, "ServerProcess", FakeServer)
+    monkeypatch.setattr(bench_serving, "replay", lambda *a, **k: {"summary": {"turns_ok": 0}})
+
+    def stuck(url):
+        raise TimeoutError("read timed out")
+
+    monkeypatch.setattr(bench_serving, "flush_cache", stuck)
+    bench_serving.main(["--model-path", "m", "--servers", "stock:flashinfer", "--contexts", "short=4096@8",
+                        "--out", str(tmp_path), "--name", "s"])
+    run = json.loads((tmp_path / "s.json").read_text())["data"]["runs"][0]
+    assert run["warmup_error"].startswith("TimeoutError: no warm-up turn finished")
+    assert run["error"] == "TimeoutError: read timed out"
+    assert (tmp_path / "server_bench_stock_flashinfer.log").read_text().count("py-spy dump") == 2
+
+
+def test_server_stacks_are_dumped_into_its_log(tmp_path, monkeypatch):
+    spy = tmp_path / "bin" / "py-spy"
+    spy.parent.mkdir()
+    spy.write_text('#!/bin/sh\necho "Thread 1 (idle): $@"\n')
+    spy.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{spy.parent}:/usr/bin:/bin")
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        server = ServerProcess([], tmp_path / "log", 0, pid=proc.pid)
+        (tmp_path / "log").write_text("server log\n")
+        assert server.dump_stacks()
+        assert f"Thread 1 (idle): dump --pid {proc.pid} --subprocesses" in (tmp_path / "log").read_text()
+        monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+        assert not server.dump_stacks()  # no py-spy: nothing to add, and no error
+    finally:
+        proc.kill()
 
 
 def _fake_sglang(running: int):
@@ -304,3 +345,34 @@ def test_scheduler_profile_shares(tmp_path):
     scheduler_profile.main([f"r1={path}", "--name", "prof", "--out", str(tmp_path)])
     rows = {r["metric"]: r["value"] for r in json.loads((tmp_path / "prof.json").read_text())["summary"]}
     assert rows["r1: scheduler samples in tangram_sgl code (10 samples)"] == 70.0
+
+
+def test_exactness_repeats_a_server_given_twice_and_splits_out_first_turns(tmp_path, monkeypatch):
+    """``exact_ov_restart``: the same spec twice is a restart, held to bit equality; first turns (no cached
+    history) are counted apart from later ones."""
+    import exactness
+
+    answers = {"tangram_mixed_ov_p": [[{"output_ids": [1, 2], "logprobs": [-0.1, -0.2]},
+                                       {"output_ids": [3, 4], "logprobs": [-0.3, -0.4]}]],
+               "tangram_mixed_p": [[{"output_ids": [1, 2], "logprobs": [-0.1, -0.25]},
+                                    {"output_ids": [3, 5], "logprobs": [-0.3, -0.4]}]]}
+    served = []
+
+    class Server(FakeServer):
+        def __init__(self, args, log, port):
+            super().__init__(args, log, port)
+            served.append("--tangram-overlap-schedule" in args)
+
+    monkeypatch.setattr(exactness, "ServerProcess", Server)
+    monkeypatch.setattr(exactness, "collect", lambda url, tok, convs, n: answers[
+        "tangram_mixed_ov_p" if served[-1] else "tangram_mixed_p"])
+    monkeypatch.setitem(sys.modules, "transformers", type("T", (), {"AutoTokenizer": type(
+        "A", (), {"from_pretrained": staticmethod(lambda path: None)})}))
+    exactness.main(["--model-path", "m", "--out", str(tmp_path), "--name", "e", "--runs", "tangram-ov:p.json",
+                    "tangram-ov:p.json", "tangram:p.json"])
+    doc = json.loads((tmp_path / "e.json").read_text())
+    restart, plain = (doc["data"]["comparisons"][k] for k in ("tangram_mixed_ov_p_restart", "tangram_mixed_p"))
+    assert restart["identical_turns"] == 2 and restart["max_logprob_diff_on_agreeing_prefix"] == 0
+    assert (plain["identical_turns"], plain["identical_first_turns"]) == (1, 1)
+    assert plain["max_logprob_diff_first_turns"] == pytest.approx(0.05)
+    assert [(r["target"], r["met"]) for r in doc["summary"][:2]] == [("1.0", True), ("<= 1e-2", True)]

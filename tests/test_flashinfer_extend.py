@@ -314,3 +314,28 @@ def test_missing_flashinfer_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer -> ImportError
     with pytest.raises(RuntimeError, match="needs the flashinfer package"):
         FlashInferExtend("cpu", *layer_maps(2, 2, 2, 1), page_size=16, heads_per_group=2)
+
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_warm_up_runs_every_flashinfer_kernel_of_a_step(monkeypatch, page):
+    """The server's start compiles FlashInfer's JIT kernels (else the first long prompt's forward does, for
+    minutes, with the scheduler stuck): both passes and both merges, in the model's head dim and dtypes."""
+    calls = []
+
+    def spied(name, fn):
+        def call(*a, **k):
+            tensor = a[1] if name in ("chunk", "prefix") else a[0]  # run(self, q, ...) / merge(v, ...)
+            calls.append((name, tensor.dtype, tensor.shape[-1]))
+            return fn(*a, **k)
+        return call
+
+    monkeypatch.setattr(_Ragged, "run", spied("chunk", _Ragged.run))
+    monkeypatch.setattr(_Paged, "run", spied("prefix", _Paged.run))
+    fake = flashinfer_standin()
+    fake.merge_state, fake.merge_states = spied("merge_state", _merge_state), spied("merge_states", _merge_states)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    fi = FlashInferExtend("cpu", *layer_maps(4, 2, 2, 3), page_size=page, heads_per_group=2)
+    fi.warm_up(8, 64, torch.float64, torch.float64)
+    assert sorted({c[0] for c in calls}) == ["chunk", "merge_state", "merge_states", "prefix"]
+    assert {(dtype, d) for _, dtype, d in calls} == {(torch.float64, 64)}

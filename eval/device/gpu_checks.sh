@@ -9,7 +9,8 @@
 #   smoke   eval/serve_smoke.py: dummy Llama-3.1-8B, synthetic r0.25 profile, OpenAI / native / frontend
 #   exact   eval/exactness.py: SmolLM2 greedy tokens, stock triton vs tangram at budgets 1.0 / 0.5 / 0.25
 #   exact1 / floor   budget 1.0 only, page size 1; stock triton vs stock flashinfer (the bf16 noise floor)
-#   exact_ov / exact_ov05   SmolLM2 tangram at 1.0 / 0.5 with and without --tangram-overlap-schedule (must be identical)
+#   exact_ov / exact_ov05   SmolLM2 tangram at 1.0 / 0.5 with and without --tangram-overlap-schedule
+#   exact_ov_restart / exact_ov_stock   the overlap server twice (must repeat itself); stock with and without overlap
 #   smoke_eager   the smoke with decode CUDA graphs off
 #   bench_stock / bench_r025 / bench_r1 / bench_r05   eval/bench_serving.py, one server per call (24 sessions x 48k
 #           distinct documents, a ${BENCH_SECONDS:-240} s window each; BENCH_CONTEXT=mid=16384 BENCH_SESSIONS=64 for
@@ -101,6 +102,12 @@ stage_exact_ov() { NAME=exactness_smollm2_ov exact_runs tangram:/tmp/smollm2.uni
     tangram-ov:/tmp/smollm2.uniform.r1.0.json; }
 stage_exact_ov05() { local p="$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.5.json
   NAME=exactness_smollm2_ov05 exact_runs tangram:"$p" tangram-ov:"$p"; }
+# exact_ov differed (session 15: 77 of 96 turns, all but one of the differing ones later turns, which reuse one more
+# cached answer token under overlap): is the overlap server repeatable across a restart (a race would not be), and
+# how far does stock SGLang's own overlap scheduler move its outputs?
+stage_exact_ov_restart() { NAME=exactness_smollm2_ov_restart exact_runs tangram-ov:/tmp/smollm2.uniform.r1.0.json \
+    tangram-ov:/tmp/smollm2.uniform.r1.0.json tangram:/tmp/smollm2.uniform.r1.0.json; }
+stage_exact_ov_stock() { NAME=exactness_smollm2_ov_stock exact_runs stock:triton stock-nooverlap:triton; }
 # the bf16 noise floor between two correct stock backends
 stage_floor() { NAME=exactness_smollm2_floor exact_runs stock:triton stock:flashinfer; }
 stage_smoke_eager() { SMOKE_LABEL=llama8b_dummy_r0.25_eager SMOKE_EXTRA="--cuda-graph-backend-decode disabled" stage_smoke; }

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -122,6 +123,11 @@ class TangramAttnBackend(AttentionBackend):
             logger.info("tangram: extend attention runs through FlashInfer (--tangram-extend-kernel %s%s)",
                         extend_kernel, f": steps adding more than {self.context.flashinfer_min_new} tokens to a row"
                         if self.context.flashinfer_min_new else "")
+            t0 = time.perf_counter()
+            self.context.flashinfer_extend.warm_up(profile.model.num_attention_heads, profile.model.head_dim,
+                                                   model_runner.dtype, self.manager.pool.k_buffer.dtype)
+            logger.info("tangram: FlashInfer extend kernels warmed up (JIT-compiled if new) in %.1f s",
+                        time.perf_counter() - t0)
         self.num_layers = self.manager.layout.num_layers
         self.step: ForwardStep | GraphDecodeStep | CaptureExtendStep | None = None
         self._capturing_prefill = False  # inside SGLang's prefill-graph capture (see prefill_capture)
