@@ -41,7 +41,8 @@
 #   kernels  eval/bench_kernels.py: Triton block-config tune, decode CTA-target study, then the batch 16-64 x 32k/64k
 #           grid at the study's best target (FlashInfer columns copied from bench_kernels_aot2.json)
 #   kernels_short  the same kernel at the short class's decode shapes (batch 32/128 x 4k, budgets 1.0/0.25) beside FlashInfer
-#           (kernels_short_configs: those shapes under each of the tune's block configs, Triton only)
+#           (kernels_short_configs / kernels_short_targets: those shapes under each of the tune's block configs / under
+#           AOT tables for CTA targets TARGETS="264 528 1056 2112", Triton only)
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 #           (the serving FlashInfer path included); writes its JSON after every case
 #   jit_save / jit_restore  compiled FlashInfer JIT modules and Triton's cache, brought back and carried to a fresh machine
@@ -221,11 +222,20 @@ stage_kernels_short() { (cd /tmp && timeout 560 python3 "$R"/eval/bench_kernels.
   --no-anchor --fi-baselines uncompressed --batches 32,128 --contexts 4096 --budgets 1.0,0.25 \
   --out "$OUT"/bench_kernels_short.json 2>&1 | tail -30); }
 # the same shapes under each block config of the tune (the default was tuned at 32k contexts), Triton only
+# the Triton kernel alone at those shapes, FlashInfer's columns from bench_kernels_short.json; $1 names the output,
+# the rest are bench_kernels arguments. Only the JSON is kept: a call brings back at most 8 files.
+kernels_short_triton() { local name="$1"; shift
+  (cd /tmp && timeout 120 python3 "$R"/eval/bench_kernels.py --no-tune --study-targets '' --no-anchor --no-flashinfer \
+    --fi-from "$R"/eval/results/bench_kernels_short.json --batches 32,128 --contexts 4096 --budgets 1.0,0.25 "$@" \
+    --out "$OUT/$name.json" 2>&1 | tail -6); rm -f "$OUT/$name.png"; }
+# each block config of the tune (the default was tuned at 32k contexts)
 stage_kernels_short_configs() { local cfg; for cfg in $(cd "$R"/eval && python3 -c \
     "from bench_kernels import TUNE_CONFIGS; print(*(','.join(map(str, c)) for c in TUNE_CONFIGS))"); do
-  (cd /tmp && timeout 120 python3 "$R"/eval/bench_kernels.py --no-tune --triton-config "$cfg" --study-targets '' \
-    --no-anchor --no-flashinfer --fi-from "$R"/eval/results/bench_kernels_short.json --batches 32,128 --contexts 4096 \
-    --budgets 1.0,0.25 --out "$OUT"/bench_kernels_short_cfg${cfg//,/_}.json 2>&1 | tail -6); done; }
+  kernels_short_triton "bench_kernels_short_cfg${cfg//,/_}" --triton-config "$cfg"; done; }
+# AOT tables built for other CTA targets (the default, 8 per SM, was studied at 32k contexts; session 15 found the
+# block configs within 3 % of each other at these shapes)
+stage_kernels_short_targets() { local t; for t in ${TARGETS:-264 528 1056 2112}; do
+  kernels_short_triton "bench_kernels_short_target$t" --target-ctas "$t"; done; }
 stage_extend() { (cd /tmp && timeout 540 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 # the GPU server's accuracy vs the CPU reference run, same conversations (after `smol`; ~3 min per server)
 stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \
