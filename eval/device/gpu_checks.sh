@@ -40,7 +40,7 @@
 #           (accuracy_p31: the snapkv:pool_kernel=31 profile on its own CPU run's conversations)
 #   kernels  eval/bench_kernels.py: Triton block-config tune, decode CTA-target study, then the batch 16-64 x 32k/64k
 #           grid at the study's best target (FlashInfer columns copied from bench_kernels_aot2.json)
-#   kernels_short  the same kernel at the short class's decode shapes (batch 32/128 x 4k, budgets 1.0/0.25) beside FlashInfer
+#   kernels_short  the same kernel at the short class's decode shapes (batch 8/32/128 x 4k, budgets 1.0/0.25) beside FlashInfer
 #           (kernels_short_configs / kernels_short_targets: those shapes under each of the tune's block configs / under
 #           AOT tables for CTA targets TARGETS="264 528 1056 2112", Triton only)
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
@@ -119,7 +119,8 @@ stage_exact() { exact_runs stock:triton tangram:/tmp/smollm2.uniform.r1.0.json \
 # budget 1.0 at page size 1 (every other stage serves page-16 profiles)
 stage_exact1() { uniform_r1 "$SMOL" /tmp/smollm2.uniform.r1.0.p1.json 1; NAME=exactness_smollm2_p1 \
     exact_runs stock:triton tangram:/tmp/smollm2.uniform.r1.0.p1.json; }
-# overlap scheduling against the same profile without it: the same kernels and batches, so the outputs must be identical
+# overlap scheduling against the same profile without it: the same kernels and batches, but under overlap a later turn
+# reuses one more cached token of the previous answer (its K/V from a decode step): first turns are the clean comparison
 stage_exact_ov() { NAME=exactness_smollm2_ov exact_runs tangram:/tmp/smollm2.uniform.r1.0.json \
     tangram-ov:/tmp/smollm2.uniform.r1.0.json; }
 stage_exact_ov05() { local p="$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.5.json
@@ -219,14 +220,13 @@ stage_kernels() { (cd /tmp && timeout 580 python3 "$R"/eval/bench_kernels.py --n
 # decode; the FlashInfer paths on our cache would each cost a JIT compile): serving there showed 8.3-10.9 ms of
 # decode attention for 17 GB kept (r0.25, 128 x 4k), 33-43 % of the roofline
 stage_kernels_short() { (cd /tmp && timeout 560 python3 "$R"/eval/bench_kernels.py --no-tune --study-targets '' \
-  --no-anchor --fi-baselines uncompressed --batches 32,128 --contexts 4096 --budgets 1.0,0.25 \
+  --no-anchor --fi-baselines uncompressed --batches 8,32,128 --contexts 4096 --budgets 1.0,0.25 \
   --out "$OUT"/bench_kernels_short.json 2>&1 | tail -30); }
-# the same shapes under each block config of the tune (the default was tuned at 32k contexts), Triton only
 # the Triton kernel alone at those shapes, FlashInfer's columns from bench_kernels_short.json; $1 names the output,
 # the rest are bench_kernels arguments. Only the JSON is kept: a call brings back at most 8 files.
 kernels_short_triton() { local name="$1"; shift
   (cd /tmp && timeout 120 python3 "$R"/eval/bench_kernels.py --no-tune --study-targets '' --no-anchor --no-flashinfer \
-    --fi-from "$R"/eval/results/bench_kernels_short.json --batches 32,128 --contexts 4096 --budgets 1.0,0.25 "$@" \
+    --fi-from "$R"/eval/results/bench_kernels_short.json --batches 8,32,128 --contexts 4096 --budgets 1.0,0.25 "$@" \
     --out "$OUT/$name.json" 2>&1 | tail -6); rm -f "$OUT/$name.png"; }
 # each block config of the tune (the default was tuned at 32k contexts)
 stage_kernels_short_configs() { local cfg; for cfg in $(cd "$R"/eval && python3 -c \
