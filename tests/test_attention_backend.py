@@ -677,9 +677,23 @@ def test_overlap_scheduling_order_through_sglang_radix_cache(budget, monkeypatch
         assert not h.kv.requests and _logical_ids_free(sched) == free_ids
         keys = [t for node in h.kv.tree.nodes() for t in node.segment.token_ids]
         assert UNRESOLVED not in keys
+        # another conversation with the same first prompt (session 15's one differing first turn on the H200):
+        # at 1.0 matched inside the first turn's node, which splits at a page boundary (49 tokens at most, one is
+        # left to compute, in whole pages of 4); compressed, only the first chunk's node (a compressed node is
+        # matched whole or not at all)
+        rep = sched.admit("t1-again", prompt, max_new=4)  # "t": the reference's dense cache of this prompt
+        hit = len(rep.prefix_indices)
+        assert hit == (48 if budget == 1.0 else 24)
+        if overlap:
+            repeated = _overlap_turn(sched, rep, (50 - hit,), 4)
+        else:
+            sched.prefill_chunk(rep, 50 - hit)
+            for _ in range(3):
+                sched.decode(rep)
+            repeated = sched.finish(rep)
         req2 = sched.admit("t2", prompt + answer + question, max_new=2)
         hits[overlap] = len(req2.prefix_indices)
-        answers[overlap] = answer
+        answers[overlap] = answer, repeated
     assert answers[True] == answers[False]
     assert hits == {False: 50 + 3, True: 50 + 4}  # + the decoded tokens whose K/V exist
 
