@@ -115,9 +115,9 @@ def flush_cache(url: str, timeout_s: float = 90.0) -> None:
 
 
 def traced(url: str, label: str, run: dict, a: argparse.Namespace) -> TraceTrigger | None:
-    """With ``--trace-steps``, for the run ``--trace-at`` names: a started :class:`TraceTrigger` (profiling
+    """With ``--trace-steps``, for a run ``--trace-at`` names: a started :class:`TraceTrigger` (profiling
     starts once 3/4 of the run's concurrency is running)."""
-    if not a.trace_steps or a.trace_at != f"{run['context']}@{run['concurrency']}":
+    if not a.trace_steps or f"{run['context']}@{run['concurrency']}" not in a.trace_at:
         return None
     trigger = TraceTrigger(url, a.out / "traces", max(1, run["concurrency"] * 3 // 4), a.trace_steps,
                            f"{label}_{run['context']}_c{run['concurrency']}", a.replay_timeout)
@@ -381,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-steps", type=int, default=0,
                    help="profile this many scheduler steps of the --trace-at replay through SGLang's /start_profile "
                         "(GPU kernel time per kernel name in the result; the run's throughput is then not merged)")
-    p.add_argument("--trace-at", default="short@8", help="CONTEXT@CONCURRENCY of the replay --trace-steps profiles")
+    p.add_argument("--trace-at", nargs="+", default=["short@8"],
+                   help="CONTEXT@CONCURRENCY of each replay --trace-steps profiles")
     p.add_argument("--port", type=int, default=30200)
     p.add_argument("--name", default="bench_serving")
     p.add_argument("server_extra", nargs="*", help="after --: more launch_server arguments for every server")

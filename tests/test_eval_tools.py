@@ -219,10 +219,8 @@ def _fake_sglang(running: int):
     return httpd
 
 
-@pytest.mark.parametrize("running, traced", [(6, True), (5, False)])
-def test_bench_traces_the_named_replay_once_it_is_loaded(tmp_path, monkeypatch, running, traced):
-    """--trace-steps: once 3/4 of the --trace-at replay's sessions run, SGLang's profiler is started; the run
-    carries the trace's kernel summary (tangram kernels marked) and a traced file is never merged."""
+def _traced_bench(tmp_path, monkeypatch, running: int, contexts: str, *args: str) -> list[dict]:
+    """bench_serving with --trace-steps 4 against the fake SGLang (``running`` requests running); its runs."""
     httpd = _fake_sglang(running)
     monkeypatch.setattr(FakeServer, "url", f"http://127.0.0.1:{httpd.server_address[1]}")
     monkeypatch.setattr(bench_serving, "ServerProcess", FakeServer)
@@ -230,10 +228,17 @@ def test_bench_traces_the_named_replay_once_it_is_loaded(tmp_path, monkeypatch, 
         "summary": {"prompt_tokens": 1, "turns_ok": 1, "output_tokens_per_s": 5.0, "ttft_s": {"p50": 0.1, "p90": 0.2}}})
     monkeypatch.setattr(bench_serving, "flush_cache", lambda url: None)
     monkeypatch.setattr(bench_serving, "gpu_memory_used_mib", lambda: None)
-    bench_serving.main(["--model-path", "m", "--servers", "stock:flashinfer", "--contexts", "short=4096@8,32",
-                        "--no-warmup", "--trace-steps", "4", "--replay-timeout", "3", "--out", str(tmp_path),
-                        "--name", "t"])
+    bench_serving.main(["--model-path", "m", "--servers", "stock:flashinfer", "--contexts", contexts, "--no-warmup",
+                        "--trace-steps", "4", "--replay-timeout", "3", "--out", str(tmp_path), "--name", "t", *args])
     httpd.shutdown()
+    return json.loads((tmp_path / "t.json").read_text())["data"]["runs"]
+
+
+@pytest.mark.parametrize("running, traced", [(6, True), (5, False)])
+def test_bench_traces_the_named_replay_once_it_is_loaded(tmp_path, monkeypatch, running, traced):
+    """--trace-steps: once 3/4 of the --trace-at replay's sessions run, SGLang's profiler is started; the run
+    carries the trace's kernel summary (tangram kernels marked) and a traced file is never merged."""
+    _traced_bench(tmp_path, monkeypatch, running, "short=4096@8,32")
     doc = json.loads((tmp_path / "t.json").read_text())
     trace = doc["data"]["runs"][0]["trace"]
     assert "trace" not in doc["data"]["runs"][1]  # only the --trace-at replay (default short@8)
@@ -247,6 +252,13 @@ def test_bench_traces_the_named_replay_once_it_is_loaded(tmp_path, monkeypatch, 
         == 0.25
     with pytest.raises(ValueError, match="not merged"):
         bench_serving.merged_runs([tmp_path / "t.json"])
+
+
+def test_bench_traces_every_replay_trace_at_names(tmp_path, monkeypatch):
+    """Both ends of a load range traced in one server start: each named replay gets its own trigger."""
+    runs = _traced_bench(tmp_path, monkeypatch, 6, "short=4096@8,16,32", "--trace-at", "short@8", "short@32")
+    assert runs[0]["trace"]["steps"] == 4 and "trace" not in runs[1]
+    assert runs[2]["trace"] == {"error": "never saw 24 running requests"}  # the fake server runs 6
 
 def test_bench_results_merge_across_windows_only_when_the_window_cut_nothing(tmp_path):
     """A run that finished every turn inside a shorter window measured what a longer one would have."""
