@@ -27,7 +27,7 @@ from tangram_sgl.pool.device_copy import to_device, to_host
 from tangram_sgl.pool.device_slot_lists import DeviceSlotLists
 from tangram_sgl.pool.group_page_pool import GroupPagePool
 from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, SegmentWrites, segment_kept_counts
-from tangram_sgl.pool.segment import GroupSlots, Segment, slot_tables
+from tangram_sgl.pool.segment import GroupSlots, Segment, page_list_slots, slot_tables
 from tangram_sgl.pool.step_writes import CompressedWrites, FullSegmentWrites
 from tangram_sgl.profile import TangramProfile
 from tangram_sgl.radix.tree import SegmentNode, SegmentTree
@@ -271,13 +271,12 @@ class TangramKVManager:
         """int64 [G, max(k_g, 1)]: row g holds the first k_g slots of group g's pages (zeros past them), the
         groups' pages lying in ``pages`` one after another, ``need[g]`` each (one vectorized gather)."""
         k = np.asarray(counts, dtype=np.int64)
-        j = np.arange(max(int(k.max(initial=0)), 1), dtype=np.int64)
-        valid = j[None, :] < k[:, None]
-        if not valid.any():
-            return torch.zeros(len(k), len(j), dtype=torch.long)
+        table = np.zeros((len(k), max(int(k.max(initial=0)), 1)), dtype=np.int64)
         first = np.cumsum(need, dtype=np.int64) - np.asarray(need, dtype=np.int64)
-        page = np.asarray(pages, dtype=np.int64)[np.where(valid, first[:, None] + j // self.page_size, 0)]
-        return torch.from_numpy(np.where(valid, page * self.page_size + j % self.page_size, 0))
+        # row-major order of the valid cells is the lists' order, end to end
+        table[np.arange(table.shape[1])[None, :] < k[:, None]] = page_list_slots(
+            np.asarray(pages, dtype=np.int64), first, k, self.page_size)
+        return torch.from_numpy(table)
 
     def write_segment_layer(self, rid: Hashable, layer: int, k: torch.Tensor, v: torch.Tensor,
                             scores: torch.Tensor) -> None:

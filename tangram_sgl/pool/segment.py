@@ -66,6 +66,14 @@ class SlotTable:
     offsets: np.ndarray  # int64 [G], host
 
 
+def page_list_slots(pages: np.ndarray, first_page: np.ndarray, lens: np.ndarray, page_size: int) -> np.ndarray:
+    """int64: ragged slot lists laid end to end, list i's slot j being
+    ``pages[first_page[i] + j // page_size] * page_size + j % page_size`` (its tokens fill its pages in order)."""
+    owner = np.repeat(np.arange(len(lens)), lens)
+    j = np.arange(int(lens.sum())) - (np.cumsum(lens) - lens)[owner]
+    return pages[first_page[owner] + j // page_size] * page_size + j % page_size
+
+
 def slot_tables(segments: Sequence[Segment], page_size: int, device: torch.device | None = None) -> list[SlotTable]:
     """:meth:`Segment.slot_table` of each of ``segments``; the stale host tables are computed together (a few
     numpy operations for all of them) and reach ``device`` in one copy (each table a view of it)."""
@@ -79,12 +87,8 @@ def slot_tables(segments: Sequence[Segment], page_size: int, device: torch.devic
         npages = np.fromiter((len(gs.pages) for s in stale for gs in s.groups), dtype=np.int64, count=len(stale) * G)
         pages = np.fromiter((p for s in stale for gs in s.groups for p in gs.pages), dtype=np.int64,
                             count=int(npages.sum()))
-        # list i (segment i // G, group i % G): slot j is pages[first_page[i] + j // ps] * ps + j % ps
-        first_slot, first_page = np.cumsum(lens) - lens, np.cumsum(npages) - npages
-        owner = np.repeat(np.arange(len(lens)), lens)
-        j = np.arange(int(lens.sum())) - first_slot[owner]
-        slots = torch.from_numpy((pages[first_page[owner] + j // page_size] * page_size + j % page_size
-                                  ).astype(np.int32))
+        # list i: segment i // G, group i % G
+        slots = torch.from_numpy(page_list_slots(pages, np.cumsum(npages) - npages, lens, page_size).astype(np.int32))
         seg_lens = lens.reshape(-1, G)
         offsets = np.cumsum(seg_lens, axis=1) - seg_lens
         bounds = np.concatenate([[0], np.cumsum(seg_lens.sum(axis=1))]).tolist()
