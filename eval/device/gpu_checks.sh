@@ -80,7 +80,8 @@ assert len(essay_paragraphs()) > 100; print('plugin and eval dependencies import
 # start then skips FlashInfer's minutes of nvcc, a tangram start its Triton compiles.
 stage_jit_save() {
   local t=/tmp/jit && rm -rf "$t" && mkdir -p "$t/aot" "$OUT/jit"
-  for so in "$HOME"/.cache/flashinfer/*/*/cached_ops/*/*.so; do [ -f "$so" ] && cp "$so" "$t/aot/"; done
+  find "${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer" -path '*/cached_ops/*/*.so' -exec cp {} "$t/aot/" \;
+  echo "$(ls "$t/aot" | wc -l) FlashInfer modules"
   [ -d "$HOME/.triton/cache" ] && cp -r "$HOME/.triton/cache" "$t/triton"
   du -sh "$t"/* 2>/dev/null; tar czf - -C "$t" . | split -b 15M -d - "$OUT/jit/jit.tgz.part"; ls -la "$OUT/jit"
 }
