@@ -5,10 +5,12 @@ Llama-3.1-8B shapes (32 q / 8 kv heads, d 128, bf16, page 16, H_p 4), the synthe
 with ``n_new`` new tokens after ``context`` cached ones, of which group g keeps k_g(context) in the pool:
 
 - ``chunk_*``: one 8192-token prefill chunk after 0 / 16k / 40k cached tokens (a long document's chunks);
-- ``questions``: 16 rows of 64 new tokens after 32k cached tokens (a question turn over long histories).
+- ``questions``: 16 rows of 64 new tokens after 32k cached tokens (a question turn over long histories);
+- ``question_4k`` / ``questions_4k``: 1 / 8 rows of 32 new tokens after 4k cached tokens (the short class's question
+  turns, which session 16's trace caught at 176 us a layer against FlashInfer's 22 us).
 
 Timed: ``tangram_sgl.kernels.extend.extend_attention`` at several block configurations (the serving default
-first), and FlashInfer 0.6.15's ragged causal prefill on contiguous K/V as references — over the whole
+first) without prefix splits, the serving call (default config, prefix splits from ``extend_splits``), and FlashInfer 0.6.15's ragged causal prefill on contiguous K/V as references — over the whole
 uncompressed context (what stock SGLang's attention reads) and over a uniform cache of the mean kept length
 (what an ideal kernel over the compressed cache could approach) — and a candidate replacement on the same
 compressed cache: FlashInfer's chunk prefill + a pseudo-request paged prefill over the prefix, merged by
@@ -30,13 +32,13 @@ from pathlib import Path
 import torch
 from bench_kernels import LLAMA_8B, TINY, Cache, Shape, build_cache, gpu_time_ms, synthetic_profile
 from results_io import summary_row, write_result
-from tangram_sgl.kernels.extend import extend_attention
+from tangram_sgl.kernels.extend import extend_attention, extend_splits
 from tqdm import tqdm
 
 DEFAULT_CONFIG = (128, 64, 8, 3)  # extend_attention's defaults: block_m, block_n, num_warps, num_stages
 CONFIGS = (DEFAULT_CONFIG, (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (64, 32, 4, 3), (128, 128, 8, 2))
 CASES = {"chunk_0": (1, 8192, 0), "chunk_16k": (1, 8192, 16384), "chunk_40k": (1, 8192, 40960),
-         "questions": (16, 64, 32768)}
+         "questions": (16, 64, 32768), "question_4k": (1, 32, 4096), "questions_4k": (8, 32, 4096)}
 TINY_CASES = {"chunk_0": (1, 64, 0), "chunk_96": (1, 64, 96), "questions": (3, 5, 80)}
 
 
@@ -120,6 +122,16 @@ def run_case(shape: Shape, name: str, rows: int, n_new: int, context: int, dev: 
             res.setdefault("config_errors", {})[key] = f"{type(e).__name__}: {e}"[:300]
     default = "x".join(map(str, DEFAULT_CONFIG))
     res["ours_ms"] = times
+    max_prefix = int(c.kv_indptr.diff().max())
+    bm = DEFAULT_CONFIG[0]
+    res["serving_splits"] = extend_splits(rows, shape.hkv, -(-n_new // (bm // (shape.hq // shape.hkv))), max_prefix)
+
+    def serving() -> torch.Tensor:
+        return extend_attention(q, k_new, v_new, qo, n_new, c.k, c.v, c.kv_indptr, c.kv_indices, c.head_group,
+                                c.head_column, sm_scale=scale, max_prefix=max_prefix)
+
+    res["ours_serving_ms"] = gpu_time_ms(serving)[0]
+    res["serving_max_abs_diff_vs_default"] = float((serving().float() - outs[default]).abs().max())
     res["max_abs_diff_vs_default"] = {k: float((o - outs[default]).abs().max()) for k, o in outs.items()}
     res["best_config"] = min(times, key=times.get)
     if with_fi:
@@ -142,6 +154,8 @@ def summary(results: list[dict]) -> list[dict]:
         default, best = "x".join(map(str, DEFAULT_CONFIG)), r["best_config"]
         rows.append(summary_row(f"extend {case}: Triton, default config", round(r["ours_ms"][default], 3), "ms"))
         rows.append(summary_row(f"extend {case}: Triton, best config {best}", round(r["ours_ms"][best], 3), "ms"))
+        rows.append(summary_row(f"extend {case}: Triton as served (default config, {r['serving_splits']} prefix "
+                                f"split(s))", round(r["ours_serving_ms"], 3), "ms"))
         if "flashinfer_full_ms" in r:
             rows.append(summary_row(f"extend {case}: FlashInfer over the uncompressed context",
                                     round(r["flashinfer_full_ms"], 3), "ms"))

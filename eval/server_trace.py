@@ -13,7 +13,6 @@ refuses traced runs).
 
 from __future__ import annotations
 
-import gzip
 import importlib
 import json
 import pkgutil
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
+from trace_steps import analyse, load_events
 
 RUNNING = re.compile(r"^sglang:num_running_reqs(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
 
@@ -91,10 +91,9 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
 
 def summarize_trace(path: Path, top: int = 30) -> dict[str, Any]:
     """GPU kernels of a Chrome trace (``.json`` or ``.json.gz``): per name count and total µs (the ``top`` largest,
-    tangram_sgl's own marked), their share of the kernel total, GPU busy time and span."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
+    tangram_sgl's own marked), their share of the kernel total, GPU busy time and span; per scheduler step kind its
+    mean host, GPU and GPU-idle time, and the host's waits on the device (``trace_steps.py``)."""
+    events = load_events(Path(path))
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     if not kernels:
         raise ValueError(f"{path}: no GPU kernel events (was the GPU activity recorded?)")
@@ -116,6 +115,8 @@ def summarize_trace(path: Path, top: int = 30) -> dict[str, Any]:
         "tangram_kernel_us": round(tangram_us, 1),
         "top_kernels": [{"name": name[:160], "count": n, "total_us": round(t, 1), "share": round(t / total, 4),
                          "tangram": name in ours} for name, (n, t) in rows[:top]],
+        "per_step_kind": (steps := analyse(events))["per_kind"],
+        "host_waits": steps["waits"],
     }
 
 

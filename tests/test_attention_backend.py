@@ -1045,6 +1045,30 @@ def test_decode_step_build_never_synchronises_the_host():
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="host-GPU synchronisation exists only on a CUDA device (GPU test stage)")
+def test_admission_and_extend_step_build_never_synchronise_the_host():
+    """Reservation runs inside SGLang's ``get_next_batch_to_run``, which under overlap scheduling admits batch k while
+    batch k-1 still runs on the GPU: reserving segments (compressed and kept whole) and building their extend step
+    only queue GPU work. Session 16's trace caught a blocking copy of each reserved slot table there: the host
+    waited ~140 ms per request for the previous 8k-token prefill chunk, and the GPU then idled while it caught up."""
+    model = tiny_llama(3)
+    profile = mixed_profile(model.config, 4, 2, seed=11)
+    kv = TangramKVManager.from_profile(profile, 400, dtype=torch.float16, device=DEV)
+    ctx = AttentionContext.create(kv, profile)
+    turns = {"a": list(range(1, 41)), "b": list(range(1, 26)), "c": [7, 8]}
+    for rid, toks in turns.items():
+        kv.admit(rid, toks)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for rid, toks in turns.items():
+            kv.reserve(rid, toks, decode_tokens=4)
+        step = ctx.step([StepRow(rid, 0, len(toks), False) for rid, toks in turns.items()])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert step.compressed and len(step.compressed) < len(turns)  # both kinds of segment were reserved
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="host-GPU synchronisation exists only on a CUDA device (GPU test stage)")
 def test_extend_layers_never_synchronise_the_host():
     """Once a step's metadata is built, its per-layer work for compressed segments (extend kernel, SnapKV
     scores, selection, segment writes) and its commit only queue GPU work: CUDA's sync debug mode raises on any

@@ -56,7 +56,7 @@ def test_decode_steps_read_the_host_lists(arena, seed):
     mgr = toy_manager(3000, slot_arena_entries=arena)
     uploads = []
     upload = mgr.device_lists.upload
-    mgr.device_lists.upload = lambda rid, *a: uploads.append(rid) or upload(rid, *a)
+    mgr.device_lists.upload = lambda rids, *a: uploads.extend(rids) or upload(rids, *a)
     active: dict[int, list[int]] = {}
     fallbacks = steps = 0
     for turn in range(60):
@@ -106,6 +106,30 @@ def _four_requests(arena):
         prefill(mgr, rid, toks, decode_tokens=8)
     assert _decode_step(mgr, [0, 1, 2, 3], rng) is not None
     return mgr, rng
+
+
+def test_a_steps_stale_requests_are_uploaded_together():
+    """The first decode step after a prefill wave uploads every new request in one call (one slot_lists, one
+    zero-fill, one scatter), not one call per request: session 16's trace showed 128 requests' per-request
+    uploads holding the host 0.5 s while the GPU idled."""
+    mgr = toy_manager(300)
+    rng = random.Random(5)
+    calls = []
+    upload = mgr.device_lists.upload
+    mgr.device_lists.upload = lambda rids, *a: calls.append(list(rids)) or upload(rids, *a)
+    for rid in range(4):
+        toks = [rng.randrange(1, 50) for _ in range(20 + 3 * rid)]
+        mgr.admit(rid, toks)
+        prefill(mgr, rid, toks, decode_tokens=8 * (rid % 2))
+    ranges = _decode_step(mgr, [2, 0, 3, 1], rng)
+    assert calls == [[2, 0, 3, 1]]
+    _assert_ranges_are_the_lists(mgr, [2, 0, 3, 1], ranges)
+    prefill(mgr, 3, [rng.randrange(1, 50) for _ in range(5)])  # a new segment: only request 3 is stale
+    mgr.checkpoint(3)
+    ranges = _decode_step(mgr, [0, 1, 2, 3], rng)
+    assert calls[1:] == [[3]]
+    _assert_ranges_are_the_lists(mgr, [0, 1, 2, 3], ranges)
+    check_invariants(mgr, deep=True)
 
 
 def test_fragmented_arena_is_cleared_and_rebuilt():

@@ -19,6 +19,7 @@ import accuracy_server
 import bench_serving
 import scheduler_profile
 import soak
+import trace_steps
 from server_proc import ServerProcess
 
 
@@ -388,3 +389,26 @@ def test_exactness_repeats_a_server_given_twice_and_splits_out_first_turns(tmp_p
     assert (plain["identical_turns"], plain["identical_first_turns"]) == (1, 1)
     assert plain["max_logprob_diff_first_turns"] == pytest.approx(0.05)
     assert [(r["target"], r["met"]) for r in doc["summary"][:2]] == [("1.0", True), ("<= 1e-2", True)]
+
+
+def test_trace_steps_charge_gpu_idle_to_the_step_that_ends_it_and_list_host_waits():
+    """A synthetic trace: a decode step whose two kernels run back to back, then an extend step whose first kernel
+    starts 500 us after the GPU went idle (the host waited in get_next_batch_to_run meanwhile)."""
+    def span(name, ts, dur, cat="user_annotation"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 1}
+
+    def kernel(corr, launch_ts, ts, dur):
+        return [{**span("cudaLaunchKernel", launch_ts, 5, "cuda_runtime"), "args": {"correlation": corr}},
+                {"ph": "X", "cat": "kernel", "name": f"k{corr}", "ts": ts, "dur": dur, "tid": 7,
+                 "args": {"correlation": corr}}]
+
+    events = [span("step[DECODE bs=8]", 0, 100), *kernel(1, 10, 50, 200), *kernel(2, 20, 250, 100),
+              span("scheduler.get_next_batch_to_run", 120, 700),
+              {**span("cudaStreamSynchronize", 130, 600, "cuda_runtime"), "args": {}},
+              span("step[EXTEND bs=1 toks=20]", 830, 300), *kernel(3, 840, 850, 1000)]
+    res = trace_steps.analyse(events)
+    decode, extend = res["steps"]
+    assert (decode["gpu_ms"], decode["gpu_idle_ms"], decode["gaps"]) == (0.3, 0.0, 0)
+    assert (extend["gpu_ms"], extend["gpu_idle_ms"], extend["gaps"]) == (1.0, 0.5, 1)
+    assert res["per_kind"]["EXTEND"] == {"steps": 1, "mean_host_ms": 0.3, "mean_gpu_ms": 1.0, "mean_gpu_idle_ms": 0.5}
+    assert res["waits"] == {"cudaStreamSynchronize in scheduler.get_next_batch_to_run": {"count": 1, "ms": 0.6}}

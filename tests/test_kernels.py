@@ -21,13 +21,13 @@ from tangram_sgl.kernels.decode import (
     paged_decode,
     paged_decode_torch,
 )
-from tangram_sgl.kernels.extend import extend_attention, extend_attention_torch
+from tangram_sgl.kernels.extend import extend_attention, extend_attention_torch, extend_splits
 from tangram_sgl.kernels.flashinfer_decode import (
     build_pseudo_page_table,
     pool_as_single_head_pages,
     pseudo_request_pages,
 )
-from tangram_sgl.kernels.pool_write import scatter_kv, scatter_kv_torch
+from tangram_sgl.kernels.pool_write import scatter_kv, scatter_kv_torch, write_token_kv, write_token_kv_torch
 from tangram_sgl.kernels.scoring import snapkv_scores_ragged, snapkv_scores_ragged_torch, snapkv_scores_torch
 
 
@@ -152,6 +152,32 @@ def test_extend_matches_reference(gqa, hkv, page, n_new, lengths, block_m):
     torch.testing.assert_close(out, ref, **F32_TOL)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("gqa,hkv,page,n_new,lengths,block_m", EXTEND_CASES[:3])
+def test_split_kv_extend_matches_reference(gqa, hkv, page, n_new, lengths, block_m, splits):
+    """Prefix lists cut into S chunks (some empty: prefixes of 0-3 tokens, a request with no new tokens) and
+    merged equal the unsplit reference."""
+    G, hp, D = len(lengths[0]), 2, 32
+    k, v, indptr, indices = make_pool(lengths, page_size=page, heads_per_group=hp, head_dim=D, seed=2)
+    hg, hc = layer_map(hkv, G, hp)
+    total = sum(n_new)
+    qo = torch.tensor([0] + list(itertools.accumulate(n_new)), dtype=torch.int32)
+    q = torch.randn(total, gqa * hkv, D)
+    kn, vn = torch.randn(total, hkv, D), torch.randn(total, hkv, D)
+    out = extend_attention(q, kn, vn, qo, max(n_new), k, v, indptr, indices, hg, hc,
+                           sm_scale=0.3, num_splits=splits, block_m=block_m, block_n=16)
+    ref = extend_attention_torch(q, kn, vn, qo, k, v, indptr, indices, hg, hc, sm_scale=0.3)
+    torch.testing.assert_close(out, ref, **F32_TOL)
+
+
+def test_extend_splits_fill_the_gpu_only_for_small_grids():
+    assert extend_splits(1, 8, 1, 4096) == 16  # a question over 4k tokens: 256-token chunks
+    assert extend_splits(1, 8, 1, 32768) == 32  # capped, and 264 programs reached
+    assert extend_splits(1, 8, 1, 100) == 1  # a short prefix is not worth a split
+    assert extend_splits(3, 8, 86, 4096) == 1  # an 8k-token chunk already fills the GPU
+    assert extend_splits(4, 8, 2, 8192) == 5  # 64 programs -> 320
+
+
 @pytest.mark.parametrize("block_m,block_n", [(128, 64), (128, 32), (128, 128), (64, 32)])
 def test_extend_long_chunk_block_configs_match_reference(block_m, block_n):
     """The block configurations eval/bench_extend.py times for long chunks (a causal run past one block,
@@ -250,6 +276,34 @@ def test_pool_scatter_matches_reference(page, m):
     assert all(torch.equal(a, b) for a, b in zip(pool, ref))
     if m:
         assert torch.equal(pool[0][slot[0] // page, column[0], slot[0] % page].cpu(), ks[token[0], head[0]].to(dt))
+
+
+@pytest.mark.parametrize("page,rows", [(16, 5), (1, 3), (16, 0)])
+def test_token_write_matches_reference(page, rows):
+    """A decode step's tokens (fp32 rows, 5 kv heads in 3 groups of 2, one padding column) into a half-precision
+    pool: the Triton kernel and its reference write the same pool; each head lands at its group's slot of its
+    row, in its column, and nothing else of the pool changes."""
+    gen, cpu = torch.Generator(device="cpu").manual_seed(5), "cpu"  # host draws (the default device may be CUDA)
+    pages, hp, hkv, d = 12, 2, 5, 32
+    head_group, head_column = torch.tensor([2, 0, 1, 0, 2]), torch.tensor([1, 0, 1, 1, 0])
+    groups = 3
+    place = torch.randperm(pages * page, generator=gen, device=cpu)[: rows * groups]  # distinct slots
+    slots = place.reshape(rows, groups)
+    k, v = (torch.randn(rows, hkv, d, generator=gen, device=cpu) for _ in range(2))
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16
+    pool = [torch.randn(pages, hp, page, d, generator=gen, device=cpu).to(DEV, dt) for _ in range(2)]
+    before, ref = [x.clone() for x in pool], [x.clone() for x in pool]
+    args = [x.to(DEV) for x in (slots, head_group, head_column, k, v)]
+    write_token_kv(*args, *pool)
+    write_token_kv_torch(*args, *ref)
+    assert all(torch.equal(a, b) for a, b in zip(pool, ref))
+    written = torch.zeros(pages, hp, page, dtype=torch.bool)
+    for r, h in itertools.product(range(rows), range(hkv)):
+        s, c = int(slots[r, head_group[h]]), int(head_column[h])
+        assert torch.equal(pool[0][s // page, c, s % page].cpu(), k[r, h].to(dt))
+        assert torch.equal(pool[1][s // page, c, s % page].cpu(), v[r, h].to(dt))
+        written[s // page, c, s % page] = True
+    assert all(torch.equal(a.cpu()[~written], b.cpu()[~written]) for a, b in zip(pool, before))
 
 
 def test_pseudo_request_pages_address_the_same_tokens():

@@ -294,6 +294,8 @@ exact_runs() {
   uniform_r1 "$SMOL" /tmp/smollm2.uniform.r1.0.json
   timeout 500 python3 eval/exactness.py --model-path "$SMOL" --out "$OUT" --name "${NAME:-exactness_smollm2}" \
     --runs "$@" -- ${EXTRA:-} 2>&1 | tail -40
-  for f in "$OUT"/server_exactness*tangram*.log; do echo "== $f"; grep -iE "error|tangram|Traceback" "$f" | tail -15; done
+  for f in "$OUT"/server_exactness*tangram*.log; do  # none when only stock servers ran
+    [ -e "$f" ] && { echo "== $f"; grep -iE "error|tangram|Traceback" "$f" | tail -15; }
+  done; true
 }
 for s in "$@"; do echo "=== stage $s $(date +%T)"; "stage_$s"; done

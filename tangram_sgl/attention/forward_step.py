@@ -177,6 +177,7 @@ class ForwardStep:
             self.token_slots = to_device(kv.open_decode_slots(decode_rids, decode_token_ids), dev) \
                 if decode_rows else None
             self.kv_indptr = to_device(indptr, dev)
+            self.max_prefix = int(indptr.diff().max()) if indptr.numel() > 1 else 0  # host CSR: no sync
         lens = torch.tensor([r.n for r in self.rows], dtype=torch.int32)
         offsets = torch.zeros(len(self.rows) + 1, dtype=torch.int32)
         offsets[1:] = torch.cumsum(lens, 0)
@@ -251,7 +252,7 @@ class ForwardStep:
             out = self.fi_step.attend(layer, q, k, v, pool.k_buffer, pool.v_buffer, scale)
         else:
             out = ctx.kernels.extend(q, k, v, self.qo_indptr, self.max_new, pool.k_buffer, pool.v_buffer,
-                                     self.kv_indptr, self.kv_indices, hg, hc, scale)
+                                     self.kv_indptr, self.kv_indices, hg, hc, scale, self.max_prefix)
         if self.whole_writes is not None:
             kv.write_full_segments_layer(self.whole_writes, layer, k, v)
         if self.compressed_writes is not None:

@@ -38,13 +38,14 @@ class KernelSet:
     def extend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor,
                max_new: int, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
                kv_indices: torch.Tensor, head_group: torch.Tensor, head_column: torch.Tensor,
-               sm_scale: float) -> torch.Tensor:
-        """New tokens over [(request, group) slot list ; their own staging K/V, causal] -> ``[T, Hq, D]``."""
+               sm_scale: float, max_prefix: int | None = None) -> torch.Tensor:
+        """New tokens over [(request, group) slot list ; their own staging K/V, causal] -> ``[T, Hq, D]``
+        (``max_prefix``: the longest list, a host int that lets the Triton kernel split long prefixes)."""
         if self.name == "torch":
             return extend_attention_torch(q, k_new, v_new, qo_indptr, k_buffer, v_buffer, kv_indptr, kv_indices,
                                           head_group, head_column, sm_scale=sm_scale)
         return extend_attention(q, k_new, v_new, qo_indptr, max_new, k_buffer, v_buffer, kv_indptr, kv_indices,
-                                head_group, head_column, sm_scale=sm_scale)
+                                head_group, head_column, sm_scale=sm_scale, max_prefix=max_prefix)
 
     def decode(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_starts: torch.Tensor,
                kv_lens: torch.Tensor, kv_indices: torch.Tensor, head_group: torch.Tensor, head_column: torch.Tensor,

@@ -7,7 +7,7 @@ holding one region per group: ``[start_g, start_g + cap_g)``, of which the first
 host list. A request's lists only ever grow at their end, so a decode step is O(requests x groups) of host
 work: the new token's slot per group is scattered on the device at ``start_g + len_g`` and ``len_g`` rises.
 
-A request is (re)uploaded whole (:meth:`DeviceSlotLists.upload`) when it is new, when its lists changed in
+A request is (re)uploaded whole (:meth:`DeviceSlotLists.upload`, all of a step's such requests together) when it is new, when its lists changed in
 another way since the last sync (a committed segment, a checkpoint that deduplicated tree pages, decode
 tokens appended by a mixed batch), or when a region is full. ``cap_g`` leaves room for the decode tokens
 already reserved for it plus one page. When the arena has no room even after it is cleared (every mirror is
@@ -139,34 +139,54 @@ class DeviceSlotLists:
                 m.starts, m.caps, m.lens = self._table[:, m.row]
         return self._free_rows.pop()
 
-    def upload(self, rid: Hashable, lens: Sequence[int], slots: torch.Tensor, room: Sequence[int], version: int,
-               tokens: int) -> bool:
-        """Mirror ``rid``'s whole lists — ``slots``: int32, the groups' lists one after another (``lens[g]``
-        entries of group g: ``TangramKVManager.slot_lists`` of the request), best on the arena's device — with
-        ``room[g]`` spare entries per group, in one scatter. False when the arena cannot hold them even after
-        clearing every mirror."""
-        self.drop(rid)
-        lens = np.asarray(lens, dtype=np.int64)
-        caps = lens + np.asarray(room, dtype=np.int64)
-        size = int(caps.sum())
-        block = self.ranges.alloc(size) if size else 0
-        if block is None and self.ranges.free_total >= size:  # fragmented: rebuild every mirror on demand
+    def upload(self, rids: Sequence[Hashable], lens: np.ndarray, slots: torch.Tensor, rooms: np.ndarray,
+               versions: Sequence[int], tokens: Sequence[int]) -> bool:
+        """Mirror the whole lists of the distinct ``rids`` — ``slots``: int32, each request's groups' lists one after
+        another, the requests in order (``lens[r, g]`` entries: ``TangramKVManager.slot_lists`` of them), best on the
+        arena's device — with ``rooms[r, g]`` spare entries per group (zeros), in one zero-fill and one scatter for
+        the whole batch. False, mirroring none of them, when the arena cannot hold them even after clearing every
+        mirror."""
+        for rid in rids:
+            self.drop(rid)
+        lens = np.asarray(lens, dtype=np.int64).reshape(len(rids), self.num_groups)
+        caps = lens + np.asarray(rooms, dtype=np.int64).reshape(lens.shape)
+        sizes = caps.sum(axis=1)
+        blocks = self._alloc_blocks(sizes)
+        if blocks is None and self.ranges.free_total >= sizes.sum():  # fragmented: rebuild every mirror on demand
             self.clear()
-            block = self.ranges.alloc(size)
-        if block is None:
+            blocks = self._alloc_blocks(sizes)
+        if blocks is None:
             return False
-        starts = block + np.cumsum(caps) - caps
-        self.arena[block: block + size].zero_()  # each list, then its room as zeros
-        total = int(lens.sum())
-        if total:  # entry j of group g goes from slots[src_g + j] to arena[starts[g] + j]
-            src = np.cumsum(lens) - lens
-            dev = self.arena.device
-            shift, count = to_device(torch.from_numpy(np.stack([starts - src, lens])), dev)
-            self.arena[piece_positions(shift, count, total)] = slots.to(dev, torch.int32)
-        row = self._take_row()
-        self._table[:, row] = (starts, caps, lens)
-        self.mirrors[rid] = SlotMirror(block, size, row, *self._table[:, row], version, tokens)
+        starts = blocks[:, None] + np.cumsum(caps, axis=1) - caps
+        flat_lens = lens.reshape(-1)
+        # pieces: each block (zeroed), then each list (entry j of list i from slots[src_i + j] to starts_i + j)
+        meta = to_device(torch.from_numpy(np.concatenate([blocks - (np.cumsum(sizes) - sizes), sizes,
+                                                          starts.reshape(-1) - (np.cumsum(flat_lens) - flat_lens),
+                                                          flat_lens])), self.arena.device)
+        zero_shift, zero_count, shift, count = meta.split([len(rids), len(rids), lens.size, lens.size])
+        if sizes.sum():
+            self.arena[piece_positions(zero_shift, zero_count, int(sizes.sum()))] = 0
+        if flat_lens.sum():
+            self.arena[piece_positions(shift, count, int(flat_lens.sum()))] = slots.to(self.arena.device, torch.int32)
+        for r, rid in enumerate(rids):
+            row = self._take_row()
+            self._table[:, row] = (starts[r], caps[r], lens[r])
+            self.mirrors[rid] = SlotMirror(int(blocks[r]), int(sizes[r]), row, *self._table[:, row], versions[r],
+                                           tokens[r])
         return True
+
+    def _alloc_blocks(self, sizes: np.ndarray) -> np.ndarray | None:
+        """A block start per size (0 for an empty one), or None — allocating nothing — when one does not fit."""
+        blocks = np.zeros(len(sizes), dtype=np.int64)
+        for r, size in enumerate(sizes):
+            block = self.ranges.alloc(int(size)) if size else 0
+            if block is None:
+                for b, n in zip(blocks[:r], sizes[:r]):
+                    if n:
+                        self.ranges.free(int(b), int(n))
+                return None
+            blocks[r] = block
+        return blocks
 
     def _rows(self, rids: Sequence[Hashable]) -> np.ndarray:
         return np.fromiter((self.mirrors[rid].row for rid in rids), dtype=np.int64, count=len(rids))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tangram_sgl.kernels.pool_write import scatter_kv, scatter_kv_torch
+from tangram_sgl.kernels.pool_write import scatter_kv, scatter_kv_torch, write_token_kv, write_token_kv_torch
 from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.pool.page_allocator import PageAllocator
 
@@ -43,14 +43,6 @@ class GroupPagePool:
         """Bytes of one page, K and V together."""
         return 2 * self.k_buffer[0].numel() * self.k_buffer.element_size()
 
-    def write(self, slots: torch.Tensor, columns: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k[i]``, ``v[i]`` (shape ``[m, head_dim]``) at (slot ``slots[i]``, column ``columns[i]``)."""
-        slots = slots.to(self.device, torch.long)
-        columns = columns.to(self.device, torch.long)
-        pages, offs = slots // self.page_size, slots % self.page_size
-        self.k_buffer[pages, columns, offs] = k.to(self.k_buffer.dtype)
-        self.v_buffer[pages, columns, offs] = v.to(self.v_buffer.dtype)
-
     def scatter(self, slots: torch.Tensor, columns: torch.Tensor, tokens: torch.Tensor, heads: torch.Tensor,
                 k_src: torch.Tensor, v_src: torch.Tensor) -> None:
         """Store ``k_src[tokens[i], heads[i]]``, ``v_src[...]`` (staging ``[T, H_kv, head_dim]``) at (slot
@@ -58,6 +50,14 @@ class GroupPagePool:
         reference elsewhere; the index tensors on the pool's device."""
         scatter = scatter_kv if self.device.type == "cuda" else scatter_kv_torch
         scatter(slots, columns, tokens, heads, k_src, v_src, self.k_buffer, self.v_buffer)
+
+    def write_tokens(self, slots: torch.Tensor, head_group: torch.Tensor, head_column: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        """Store one token per row kept by every group: ``k[r, h]``, ``v[r, h]`` (``[R, H_kv, head_dim]``) at slot
+        ``slots[r, head_group[h]]`` (``slots``: ``[R, G]``), column ``head_column[h]``; one Triton launch on CUDA
+        (``kernels/pool_write.py``), its torch reference elsewhere; all tensors on the pool's device."""
+        write = write_token_kv if self.device.type == "cuda" else write_token_kv_torch
+        write(slots, head_group, head_column, k, v, self.k_buffer, self.v_buffer)
 
     def read(self, slots: torch.Tensor, column: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[m, head_dim]`` of column ``column`` at the given slots."""

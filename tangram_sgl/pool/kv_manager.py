@@ -261,7 +261,7 @@ class TangramKVManager:
         kmax = table.shape[1]
         dev = self.pool.device
         kept = torch.full((self.num_groups, self.layout.heads_per_group, kmax), -1, dtype=torch.int32, device=dev)
-        req.pending = PendingSegment(start, list(new_token_ids), counts, groups, set(), table.to(dev), kept)
+        req.pending = PendingSegment(start, list(new_token_ids), counts, groups, set(), to_device(table, dev), kept)
         if not req.pending.full:  # the per-layer writes' targets, prepared here: outside the forward
             self._prepare_writes(req.pending)
         req.token_ids += list(new_token_ids)
@@ -486,10 +486,7 @@ class TangramKVManager:
     def write_token_layer(self, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write layer ``layer``'s K/V of R tokens that every group keeps (``slots``: ``[R, G]`` from
         :meth:`open_decode_slots`; ``k``, ``v``: ``[R, num_kv_heads, D]``)."""
-        group, column = self._head_group[layer], self._head_column[layer]
-        rows = slots.to(self.pool.device, torch.long)[:, group]  # [R, H]: each head's slot is its group's slot
-        self.pool.write(rows.reshape(-1), column.repeat(slots.shape[0]), k.reshape(-1, k.shape[-1]),
-                        v.reshape(-1, v.shape[-1]))
+        self.pool.write_tokens(slots.to(self.pool.device), self._head_group[layer], self._head_column[layer], k, v)
 
     # ------------------------------------------------------------------ what attention reads
     def request_segments(self, rid: Hashable) -> list[Segment]:
@@ -567,11 +564,13 @@ class TangramKVManager:
         versions = [req.version for req in reqs]
         tokens = [len(req.token_ids) for req in reqs]
         for _ in range(2):  # an upload may clear a fragmented arena: a second pass restores the lost rows
-            for r in np.flatnonzero(~dl.ready_for_step(rids, versions, tokens)):
-                req = reqs[r]
-                indptr, slots = self.slot_lists([req.rid], self.pool.device)
-                if not dl.upload(req.rid, indptr.diff().tolist(), slots, self._decode_room(req), req.version,
-                                 tokens[r]):
+            stale = np.flatnonzero(~dl.ready_for_step(rids, versions, tokens))
+            if stale.size:  # all of them in one slot_lists call and one upload
+                sub = [reqs[r] for r in stale]
+                indptr, slots = self.slot_lists([req.rid for req in sub], self.pool.device)
+                if not dl.upload([req.rid for req in sub], indptr.diff().numpy(), slots,
+                                 np.array([self._decode_room(req) for req in sub]), [req.version for req in sub],
+                                 [tokens[r] for r in stale]):
                     return None
             if all(rid in dl.mirrors for rid in rids):
                 break

@@ -15,6 +15,7 @@ import torch
 
 from tangram_sgl.budget import kept_tokens_quantized, pages_for
 from tangram_sgl.layout import HeadGroupLayout
+from tangram_sgl.pool.device_copy import to_device
 from tangram_sgl.pool.segment import GroupSlots, Segment
 
 
@@ -66,7 +67,7 @@ class SegmentWrites:
         for row in per_head:
             bounds.append(bounds[-1] + sum(row))
         dev = slot_table.device
-        counts = torch.tensor(per_head, dtype=torch.long, device=dev)
+        counts = to_device(torch.tensor(per_head, dtype=torch.long), dev)
         flat = counts.flatten()
         lh = torch.repeat_interleave(torch.arange(L * H, device=dev), flat, output_size=bounds[-1])
         rank = torch.arange(bounds[-1], device=dev) - (torch.cumsum(flat, 0) - flat)[lh]

@@ -47,9 +47,9 @@ class GroupSlots:
                 self._cached = (key, {torch.device("cpu"): self._compute(page_size, 0, self.length)})
             copies = self._cached[1]
             if dev not in copies:
-                copies[dev] = copies[torch.device("cpu")].to(dev)
+                copies[dev] = to_device(copies[torch.device("cpu")], dev)
             return copies[dev]
-        return self._compute(page_size, begin, self.length if end is None else end).to(dev)
+        return to_device(self._compute(page_size, begin, self.length if end is None else end), dev)
 
     def _compute(self, page_size: int, begin: int, end: int) -> torch.Tensor:
         j = torch.arange(begin, end, dtype=torch.long)
