@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 from tangram_sgl.kernels.decode import gather_head_kv
 
-
 # split-KV of question-sized extends: enough programs for the H200's 132 SMs, chunks of at least 256 prefix tokens
 EXTEND_TARGET_PROGRAMS = 2 * 132
 EXTEND_MIN_SPLIT_TOKENS = 256
