@@ -229,6 +229,12 @@ def _window(doc: dict) -> float | None:
     return None if duration in (None, "None") or finished else float(duration)
 
 
+def _workload_arg(doc: dict, key: str) -> object:
+    """A recorded argument, ``concurrency`` as written before and after it took a list (``"24"``, ``"[24]"``)."""
+    value = doc["data"]["args"].get(key)
+    return str(value).strip("[]") if key == "concurrency" and value is not None else value
+
+
 def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
     """(runs, workload args, {versions, device}) of several result files of this script, which must share
     one workload (some files may measure only some of its contexts), replay window (:func:`_window`) and device,
@@ -250,7 +256,7 @@ def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
                          f"outlast a window")
     contexts = _merged_contexts(docs)
     for path, doc in zip(paths[1:], docs[1:]):
-        diff = [k for k in WORKLOAD_ARGS if doc["data"]["args"].get(k) != first["data"]["args"].get(k)]
+        diff = [k for k in WORKLOAD_ARGS if _workload_arg(doc, k) != _workload_arg(first, k)]
         if contexts is None:
             diff.append("contexts")
         if doc["device"] != first["device"]:
@@ -262,7 +268,7 @@ def merged_runs(paths: list[Path]) -> tuple[list[dict], dict, dict]:
         for r in d["data"]["runs"]:  # a merged file's runs keep the file they were measured in
             run = {"measured_by": {"file": p.name, "command": d["command"], "date": d["date"]}, **r}
             if "concurrency" not in run:  # files from before runs named theirs held one concurrency
-                run["concurrency"] = int(d["data"]["args"]["concurrency"])
+                run["concurrency"] = int(_workload_arg(d, "concurrency"))
             log = p.parent / f"server_bench_{r['label']}_{r['context']}.log"  # beside its file, as they were named
             if "prefill_chunk_tok_s" not in run and log.exists():
                 run["prefill_chunk_tok_s"] = prefill_chunk_rates(log.read_text(errors="replace"))
@@ -292,7 +298,8 @@ def short_label(run: dict) -> str:
     name = f"tangram r{ratio:g}" if ratio is not None else run["label"]
     kernel = kind.partition("@")[2] or next((k for k in EXTEND_KERNELS if run["label"].startswith(f"tangram_{k}_")),
                                             "triton")
-    return f"{name} ({kernel}{', prefill graphs' * kind.startswith('tangram-bcg')}{', overlap' * kind.startswith('tangram-ov')})"
+    label = run["label"]
+    return f"{name} ({kernel}{', prefill graphs' * ('_bcg_' in label)}{', overlap' * ('_ov_' in label)})"
 
 
 def plot(runs: list[dict], path: Path) -> None:

@@ -130,10 +130,11 @@ def server_args(model_path: str, *, profile: str | None, extra: Sequence[str] = 
 
 def parse_server_spec(spec: str) -> tuple[str, str | None, list[str]]:
     """(label, tangram profile or None, launch arguments) of ``stock:<attention backend>``,
-    ``stock-nooverlap:<attention backend>`` (without SGLang's overlap scheduler, as tangram runs),
-    ``tangram:<profile.json>`` or ``tangram@<extend kernel>:<profile.json>``, ``tangram-bcg...`` (the same
-    with breakable prefill CUDA graphs) and ``tangram-ov...`` (with ``--tangram-overlap-schedule``), the server
-    specs the eval scripts take."""
+    ``stock-nooverlap:<attention backend>`` (without SGLang's overlap scheduler), ``tangram:<profile.json>`` or
+    ``tangram@<extend kernel>:<profile.json>``, ``tangram-bcg...`` (the same with breakable prefill CUDA graphs) and
+    ``tangram-nooverlap...`` (with ``--disable-overlap-schedule``), the server specs the eval scripts take. A tangram
+    label names the extend kernel (the default one included) and has ``_ov_`` when the overlap scheduler runs (the
+    default since session 16; before it, tangram ran without it unless ``--tangram-overlap-schedule``)."""
     kind, _, arg = spec.partition(":")
     kind, _, extend_kernel = kind.partition("@")
     if kind == "stock" and arg and not extend_kernel:
@@ -141,14 +142,13 @@ def parse_server_spec(spec: str) -> tuple[str, str | None, list[str]]:
     if kind == "stock-nooverlap" and arg and not extend_kernel:
         return f"stock_{arg}_nooverlap", None, ["--attention-backend", arg, "--disable-overlap-schedule"]
     variants = {"tangram": [], "tangram-bcg": ["--cuda-graph-backend-prefill", "breakable"],
-                "tangram-ov": ["--tangram-overlap-schedule"]}
-    if kind in variants and arg:  # the label names the extend kernel, the default one included
+                "tangram-nooverlap": ["--disable-overlap-schedule"]}
+    if kind in variants and arg:
         flags = (["--tangram-extend-kernel", extend_kernel] if extend_kernel else []) + variants[kind]
-        variant = kind.partition("-")[2]
-        return f"tangram_{extend_kernel or DEFAULT_EXTEND_KERNEL}_{variant + '_' if variant else ''}{Path(arg).stem}", \
-            arg, flags
+        tags = "bcg_" * (kind == "tangram-bcg") + "ov_" * (kind != "tangram-nooverlap")
+        return f"tangram_{extend_kernel or DEFAULT_EXTEND_KERNEL}_{tags}{Path(arg).stem}", arg, flags
     raise ValueError(f"server spec {spec!r}: expected stock:<attention backend>, stock-nooverlap:<attention "
-                     f"backend> or tangram[-bcg|-ov][@<extend kernel>]:<profile.json>")
+                     f"backend> or tangram[-bcg|-nooverlap][@<extend kernel>]:<profile.json>")
 
 
 PREFILL_LINE = re.compile(r"Prefill batch.*#new-token: (\d+).*input throughput \(token/s\): ([\d.]+)")

@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 ENV_POLICY = "TANGRAM_KV_POLICY"
 ENV_PROFILE = "TANGRAM_PROFILE"
 ENV_EXTEND_KERNEL = "TANGRAM_EXTEND_KERNEL"
-ENV_OVERLAP = "TANGRAM_OVERLAP_SCHEDULE"  # "1": --tangram-overlap-schedule (the backend's check reads it)
 EXTEND_KERNELS = ("triton", "flashinfer", "mixed")
 # FlashInfer for prefill chunks (faster on the H200 there, eval/results/bench_extend.json), the Triton kernel for
 # question-sized steps (fewer host launches per layer: 0.67/0.73/0.76 -> 0.82/0.84/0.81x stock, bench_serving_grid)
@@ -48,7 +47,12 @@ _UNSUPPORTED = (
     ("disaggregation_mode", "null", "--disaggregation-mode"),
 )
 _SUPPORTED_KV_DTYPES = ("auto", "bf16", "bfloat16", "float16")
-
+# Settings refused while SGLang's overlap scheduler runs: ServerArgs field -> (flag, why); the backend checks them too.
+OVERLAP_UNSUPPORTED = {
+    "enable_mixed_chunk": ("--enable-mixed-chunk", ("under overlap SGLang places a running request's row one "
+                                                    "position ahead when its previous batch left it out; untested")),
+    "strip_thinking_cache": ("--strip-thinking-cache", "it caches fewer tokens than the backend computed"),
+}
 
 class KvPolicyError(ValueError):
     """``--kv-policy tangram`` was combined with settings it cannot honour."""
@@ -68,15 +72,10 @@ def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
                             "(FlashInfer's chunk + per-(request, kv head) prefix passes, planned once per step) or "
                             "'triton' (our Triton extend kernel, one launch per layer; 1.1-2.9x slower than "
                             "FlashInfer on 8k-token chunks, eval/results/bench_extend.json).")
-    group.add_argument("--tangram-overlap-schedule", action="store_true", default=None,
-                       help="Keep SGLang's overlap scheduler (experimental: served on the H200 with dummy weights, "
-                            "+4-7%% output tok/s at budget 1.0; on SmolLM2 77 of 96 greedy turns equal the "
-                            "non-overlap server's, so not shown exact). Without it --kv-policy tangram turns the "
-                            "overlap scheduler off.")
 
 
 def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profile_path: str | None,
-                    extend_kernel: str | None = None, overlap: bool | None = None) -> None:
+                    extend_kernel: str | None = None) -> None:
     """Rewrite ServerArgs field values in place for ``policy``; export the policy for child processes.
 
     ``fields`` maps ServerArgs field names to the values the user gave (absent or None = unset).
@@ -87,11 +86,10 @@ def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profil
     if extend_kernel not in (None, *EXTEND_KERNELS):
         raise KvPolicyError(f"--tangram-extend-kernel: expected one of {EXTEND_KERNELS}, got {extend_kernel!r}")
     if policy == "default":
-        if profile_path or extend_kernel or overlap:
-            given = ("--tangram-profile" if profile_path else "--tangram-extend-kernel" if extend_kernel
-                     else "--tangram-overlap-schedule")
+        if profile_path or extend_kernel:
+            given = "--tangram-profile" if profile_path else "--tangram-extend-kernel"
             raise KvPolicyError(f"{given} was given without --kv-policy tangram")
-        for name in (ENV_POLICY, ENV_PROFILE, ENV_EXTEND_KERNEL, ENV_OVERLAP):
+        for name in (ENV_POLICY, ENV_PROFILE, ENV_EXTEND_KERNEL):
             os.environ.pop(name, None)
         return
     if not profile_path:
@@ -117,26 +115,24 @@ def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profil
     for name, off, flag in _UNSUPPORTED:
         if name in fields and fields[name] not in (off, None):
             raise KvPolicyError(f"--kv-policy tangram does not support {flag} (got {fields[name]!r})")
-    _disable_unsupported_defaults(fields, bool(overlap))
+    _disable_unsupported_defaults(fields)
     fields["attention_backend"] = "tangram"
     fields["radix_cache_backend"] = "tangram"
     fields["page_size"] = profile.page_size
     os.environ[ENV_POLICY] = "tangram"
     os.environ[ENV_PROFILE] = str(Path(profile_path).resolve())
     os.environ[ENV_EXTEND_KERNEL] = extend_kernel or DEFAULT_EXTEND_KERNEL
-    os.environ[ENV_OVERLAP] = "1" if overlap else "0"
 
 
-def _disable_unsupported_defaults(fields: MutableMapping[str, Any], overlap: bool) -> None:
+def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
     """Turn off, loudly, the defaults the tangram backend cannot run with yet; refuse explicit requests.
 
     Decode CUDA graphs stay as the user set them (SGLang's default: on). Prefill graphs are off unless asked
     for as breakable graphs (``--cuda-graph-backend-prefill breakable``: attention, with its scoring and
     compaction, runs eagerly between the captured segments; opt-in until measured on the GPU); full and
-    torch.compile prefill graphs are refused. The overlap scheduler is off unless ``overlap``
-    (``--tangram-overlap-schedule``, experimental: served on the H200, its outputs not identical to the
-    non-overlap server's, docs/arch/attention.md); with it, the settings that change the order or the lengths the radix hooks rely on
-    are refused.
+    torch.compile prefill graphs are refused. SGLang's overlap scheduler stays as the user set it (SGLang's
+    default: on; ``--disable-overlap-schedule`` turns it off); with it, the settings that change the order or the
+    lengths the radix hooks rely on are refused (docs/arch/attention.md).
     """
     prefill = fields.get("cuda_graph_backend_prefill")
     if prefill not in (None, *PREFILL_GRAPH_BACKENDS):
@@ -146,35 +142,26 @@ def _disable_unsupported_defaults(fields: MutableMapping[str, Any], overlap: boo
     if fields.get("cuda_graph_config") is not None:
         raise KvPolicyError("--kv-policy tangram sets the CUDA-graph phases itself; omit --cuda-graph-config "
                             "(use --cuda-graph-backend-decode / --cuda-graph-max-bs-decode)")
-    if overlap:
-        if fields.get("disable_overlap_schedule"):
-            raise KvPolicyError("--tangram-overlap-schedule and --disable-overlap-schedule contradict each other")
+    if not fields.get("disable_overlap_schedule"):
         if envs.SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP.get():  # SGLang's own reading of the variable
-            raise KvPolicyError("--tangram-overlap-schedule does not support SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP "
-                                "(it processes a batch's results between building the next batch and its metadata)")
-        if fields.get("enable_mixed_chunk"):
-            raise KvPolicyError("--kv-policy tangram with --tangram-overlap-schedule does not support "
-                                "--enable-mixed-chunk (under overlap SGLang places a running request's row one "
-                                "position ahead when its previous batch left it out; untested with tangram)")
-        if fields.get("strip_thinking_cache"):
-            raise KvPolicyError("--kv-policy tangram with --tangram-overlap-schedule does not support "
-                                "--strip-thinking-cache (it caches fewer tokens than the backend computed)")
-    off = []
-    if not (overlap or fields.get("disable_overlap_schedule")):
-        off.append("the overlap scheduler is turned off (--tangram-overlap-schedule keeps it, experimental)")
+            raise KvPolicyError("--kv-policy tangram with SGLang's overlap scheduler does not support "
+                                "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP (it processes a batch's results between "
+                                "building the next batch and its metadata); add --disable-overlap-schedule")
+        for name, (flag, why) in OVERLAP_UNSUPPORTED.items():
+            if fields.get(name):
+                raise KvPolicyError(f"--kv-policy tangram with SGLang's overlap scheduler does not support {flag} "
+                                    f"({why}); add --disable-overlap-schedule")
     if prefill is None:
-        off.append("prefill CUDA graphs are off unless --cuda-graph-backend-prefill breakable")
-    if off:
-        logger.warning("--kv-policy tangram: %s; decode CUDA graphs stay on", "; ".join(off))
+        logger.warning("--kv-policy tangram: prefill CUDA graphs are off unless --cuda-graph-backend-prefill "
+                       "breakable; decode CUDA graphs stay on")
     fields["cuda_graph_backend_prefill"] = prefill or "disabled"
-    fields["disable_overlap_schedule"] = not overlap
 
 
 def from_cli_args_around(original: Callable, cls: type, args: argparse.Namespace) -> Any:
     """AROUND ServerArgs.from_cli_args: map --kv-policy onto the namespace before SGLang reads it."""
     fields = vars(args)
     apply_kv_policy(fields, fields.pop("kv_policy", None), fields.pop("tangram_profile", None),
-                    fields.pop("tangram_extend_kernel", None), fields.pop("tangram_overlap_schedule", None))
+                    fields.pop("tangram_extend_kernel", None))
     return original(cls, args)
 
 
@@ -183,9 +170,8 @@ def init_around(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Non
     policy = kwargs.pop("kv_policy", None)
     profile = kwargs.pop("tangram_profile", None)
     extend_kernel = kwargs.pop("tangram_extend_kernel", None)
-    overlap = kwargs.pop("tangram_overlap_schedule", None)
-    if policy is not None or profile is not None or extend_kernel is not None or overlap is not None:
-        apply_kv_policy(kwargs, policy, profile, extend_kernel, overlap)
+    if policy is not None or profile is not None or extend_kernel is not None:
+        apply_kv_policy(kwargs, policy, profile, extend_kernel)
     original(self, *args, **kwargs)
 
 

@@ -70,6 +70,15 @@ def test_bench_results_merge_only_with_the_same_workload_and_device(tmp_path):
         ("stock_flashinfer", "a2.json", "2026-12-02"), ("other", "b.json", None)]
     with pytest.raises(ValueError, match="sessions differ"):
         bench_serving.merged_runs([a, _bench_file(tmp_path / "c.json", "16")])
+    listed = _bench_file(tmp_path / "l.json", "24", label="listed")  # --concurrency recorded as a list since session 13
+    doc = json.loads(listed.read_text())
+    doc["data"]["args"]["concurrency"] = "[24]"
+    listed.write_text(json.dumps(doc))
+    assert len(bench_serving.merged_runs([a, listed])[0]) == 2
+    doc["data"]["args"]["concurrency"] = "[8, 24]"
+    listed.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="concurrency differ"):
+        bench_serving.merged_runs([a, listed])
     with pytest.raises(ValueError, match="device differ"):
         bench_serving.merged_runs([a, _bench_file(tmp_path / "d.json", "24", device="NVIDIA H100")])
     # a file measuring only some of the contexts merges (the workload keeps them all); another definition does not
@@ -297,15 +306,15 @@ def test_server_specs():
     assert parse_server_spec("stock:flashinfer") == ("stock_flashinfer", None, ["--attention-backend", "flashinfer"])
     assert parse_server_spec("stock-nooverlap:flashinfer") == (
         "stock_flashinfer_nooverlap", None, ["--attention-backend", "flashinfer", "--disable-overlap-schedule"])
-    assert parse_server_spec("tangram:/p/x.r1.json") == ("tangram_mixed_x.r1", "/p/x.r1.json", [])
+    assert parse_server_spec("tangram:/p/x.r1.json") == ("tangram_mixed_ov_x.r1", "/p/x.r1.json", [])
     assert parse_server_spec("tangram@triton:/p/x.json") == (
-        "tangram_triton_x", "/p/x.json", ["--tangram-extend-kernel", "triton"])
+        "tangram_triton_ov_x", "/p/x.json", ["--tangram-extend-kernel", "triton"])
     assert parse_server_spec("tangram@flashinfer:/p/x.json") == (
-        "tangram_flashinfer_x", "/p/x.json", ["--tangram-extend-kernel", "flashinfer"])
+        "tangram_flashinfer_ov_x", "/p/x.json", ["--tangram-extend-kernel", "flashinfer"])
     assert parse_server_spec("tangram-bcg:/p/x.json") == (
-        "tangram_mixed_bcg_x", "/p/x.json", ["--cuda-graph-backend-prefill", "breakable"])
-    assert parse_server_spec("tangram-ov:/p/x.json") == (
-        "tangram_mixed_ov_x", "/p/x.json", ["--tangram-overlap-schedule"])
+        "tangram_mixed_bcg_ov_x", "/p/x.json", ["--cuda-graph-backend-prefill", "breakable"])
+    assert parse_server_spec("tangram-nooverlap:/p/x.json") == (  # the label of runs before overlap was the default
+        "tangram_mixed_x", "/p/x.json", ["--disable-overlap-schedule"])
     with pytest.raises(ValueError, match="expected stock"):
         parse_server_spec("stock@flashinfer:triton")
 
@@ -322,6 +331,8 @@ def test_plot_labels_are_short():
                                       "target_ratio": 1.0}) == "tangram r1 (flashinfer)"
     assert bench_serving.short_label({"server": "tangram-bcg:/p/x.json", "label": "tangram_flashinfer_bcg_x",
                                       "target_ratio": 1.0}) == "tangram r1 (flashinfer, prefill graphs)"
+    assert bench_serving.short_label({"server": "tangram:/p/x.json", "label": "tangram_mixed_ov_x",
+                                      "target_ratio": 1.0}) == "tangram r1 (mixed, overlap)"
 
 
 def test_prefill_chunk_rates_from_a_server_log():
@@ -374,15 +385,15 @@ def test_exactness_repeats_a_server_given_twice_and_splits_out_first_turns(tmp_p
     class Server(FakeServer):
         def __init__(self, args, log, port):
             super().__init__(args, log, port)
-            served.append("--tangram-overlap-schedule" in args)
+            served.append("--disable-overlap-schedule" not in args)
 
     monkeypatch.setattr(exactness, "ServerProcess", Server)
     monkeypatch.setattr(exactness, "collect", lambda url, tok, convs, n: answers[
         "tangram_mixed_ov_p" if served[-1] else "tangram_mixed_p"])
     monkeypatch.setitem(sys.modules, "transformers", type("T", (), {"AutoTokenizer": type(
         "A", (), {"from_pretrained": staticmethod(lambda path: None)})}))
-    exactness.main(["--model-path", "m", "--out", str(tmp_path), "--name", "e", "--runs", "tangram-ov:p.json",
-                    "tangram-ov:p.json", "tangram:p.json"])
+    exactness.main(["--model-path", "m", "--out", str(tmp_path), "--name", "e", "--runs", "tangram:p.json",
+                    "tangram:p.json", "tangram-nooverlap:p.json"])
     doc = json.loads((tmp_path / "e.json").read_text())
     restart, plain = (doc["data"]["comparisons"][k] for k in ("tangram_mixed_ov_p_restart", "tangram_mixed_p"))
     assert restart["identical_turns"] == 2 and restart["max_logprob_diff_on_agreeing_prefix"] == 0

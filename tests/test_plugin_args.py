@@ -170,9 +170,9 @@ def test_launch_server_help_lists_the_options():
 
 def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_dir, profile_path):
     """The registry's ``tangram`` factory on SGLang's resolved ServerArgs: the policy keeps decode CUDA graphs
-    (SGLang's default, full graphs), turns prefill graphs (unless breakable ones are asked for) and overlap
-    scheduling off, the factory builds TangramAttnBackend on the tangram pool, and settings the
-    backend cannot serve are still refused by name if they reach it another way."""
+    (SGLang's default, full graphs) and SGLang's overlap scheduler as given (on by default), turns prefill graphs off
+    (unless breakable ones are asked for), the factory builds TangramAttnBackend on the tangram pool, and settings
+    the backend cannot serve are still refused by name if they reach it another way."""
     from types import SimpleNamespace
 
     import torch
@@ -194,7 +194,6 @@ def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_
     sa = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram",
                 "--tangram-profile", str(profile_path))
     assert sa.cuda_graph_config.decode.backend == "full" and sa.cuda_graph_config.prefill.backend == "disabled"
-    assert sa.disable_overlap_schedule
     with pytest.raises(ValueError, match="--tangram-extend-kernel triton"):  # the FlashInfer default needs CUDA
         ATTENTION_BACKENDS["tangram"](runner(sa))
     sa = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram",
@@ -205,40 +204,34 @@ def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_
                  str(profile_path), "--cuda-graph-backend-prefill", "breakable", "--tangram-extend-kernel", "triton")
     assert bcg.cuda_graph_config.prefill.backend == "breakable"  # opt-in: kept, and the backend serves it
     assert isinstance(ATTENTION_BACKENDS["tangram"](runner(bcg)), TangramAttnBackend)
-    overlapped = SimpleNamespace(**{**vars(sa), "disable_overlap_schedule": False})
-    with pytest.raises(TangramNotServable, match="--tangram-overlap-schedule"):
-        ATTENTION_BACKENDS["tangram"](runner(overlapped))
-    # --tangram-overlap-schedule keeps SGLang's overlap scheduler, and the backend serves it
-    ov = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
-                str(profile_path), "--tangram-extend-kernel", "triton", "--tangram-overlap-schedule")
-    assert not ov.disable_overlap_schedule and os.environ["TANGRAM_OVERLAP_SCHEDULE"] == "1"
-    assert isinstance(ATTENTION_BACKENDS["tangram"](runner(ov)), TangramAttnBackend)
-    with pytest.raises(KvPolicyError, match="contradict"):
-        _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
-               str(profile_path), "--tangram-overlap-schedule", "--disable-overlap-schedule")
+    # SGLang's overlap scheduler stays on (its default), and --disable-overlap-schedule still turns it off
+    assert not sa.disable_overlap_schedule
+    nov = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
+                 str(profile_path), "--tangram-extend-kernel", "triton", "--disable-overlap-schedule")
+    assert nov.disable_overlap_schedule and isinstance(ATTENTION_BACKENDS["tangram"](runner(nov)), TangramAttnBackend)
+    mixed = SimpleNamespace(**{**vars(sa), "enable_mixed_chunk": True})  # reached the backend another way
+    with pytest.raises(TangramNotServable, match="--enable-mixed-chunk.*--disable-overlap-schedule"):
+        ATTENTION_BACKENDS["tangram"](runner(mixed))
     with pytest.raises(KvPolicyError, match="without --kv-policy tangram"):
-        _parse(sglang_loaded, "--model-path", str(model_dir), "--tangram-overlap-schedule")
-    sa = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram",
-                "--tangram-profile", str(profile_path), "--tangram-extend-kernel", "triton")
-    assert sa.disable_overlap_schedule and os.environ["TANGRAM_OVERLAP_SCHEDULE"] == "0"
+        _parse(sglang_loaded, "--model-path", str(model_dir), "--tangram-extend-kernel", "triton")
 
 
 def test_overlap_schedule_refuses_what_breaks_its_order(sglang_loaded, model_dir, profile_path, monkeypatch):
-    """--tangram-overlap-schedule with SGLang's consecutive-prefill overlap switch (read as SGLang reads it, so
-    "y" counts), --strip-thinking-cache or --enable-mixed-chunk is refused by name."""
+    """With SGLang's overlap scheduler (the default), its consecutive-prefill overlap switch (read as SGLang reads
+    it, so "y" counts), --strip-thinking-cache or --enable-mixed-chunk is refused by name, pointing at
+    --disable-overlap-schedule; with that flag they are served."""
     from tangram_sgl.patches.server_args import KvPolicyError
 
-    args = ("--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile", str(profile_path),
-            "--tangram-overlap-schedule")
+    args = ("--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile", str(profile_path))
     monkeypatch.setenv("SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP", "y")
-    with pytest.raises(KvPolicyError, match="SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP"):
+    with pytest.raises(KvPolicyError, match="SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP.*--disable-overlap-schedule"):
         _parse(sglang_loaded, *args)
+    _parse(sglang_loaded, *args, "--disable-overlap-schedule")
     monkeypatch.delenv("SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP")
-    with pytest.raises(KvPolicyError, match="--strip-thinking-cache"):
-        _parse(sglang_loaded, *args, "--strip-thinking-cache")
-    with pytest.raises(KvPolicyError, match="--enable-mixed-chunk"):
-        _parse(sglang_loaded, *args, "--enable-mixed-chunk")
-    _parse(sglang_loaded, *args[:-1], "--enable-mixed-chunk")  # without overlap: served
+    for flag in ("--strip-thinking-cache", "--enable-mixed-chunk"):
+        with pytest.raises(KvPolicyError, match=f"{flag}.*--disable-overlap-schedule"):
+            _parse(sglang_loaded, *args, flag)
+        _parse(sglang_loaded, *args, flag, "--disable-overlap-schedule")  # without overlap: served
 
 
 def test_console_script_help():

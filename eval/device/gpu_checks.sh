@@ -9,7 +9,7 @@
 #   smoke   eval/serve_smoke.py: dummy Llama-3.1-8B, synthetic r0.25 profile, OpenAI / native / frontend
 #   exact   eval/exactness.py: SmolLM2 greedy tokens, stock triton vs tangram at budgets 1.0 / 0.5 / 0.25
 #   exact1 / floor   budget 1.0 only, page size 1; stock triton vs stock flashinfer (the bf16 noise floor)
-#   exact_ov / exact_ov05   SmolLM2 tangram at 1.0 / 0.5 with and without --tangram-overlap-schedule
+#   exact_ov / exact_ov05   SmolLM2 tangram at 1.0 / 0.5 with and without SGLang's overlap scheduler (on by default)
 #   exact_ov_restart / exact_ov_stock   the overlap server twice (must repeat itself); stock with and without overlap
 #   smoke_eager   the smoke with decode CUDA graphs off
 #   bench_stock / bench_r025 / bench_r1 / bench_r05   eval/bench_serving.py, one server per call (24 sessions x 48k
@@ -18,13 +18,13 @@
 #           merge the returned JSONs here with `python eval/bench_serving.py --merge ...`
 #   bench_r1_triton / bench_r025_triton   the same with --tangram-extend-kernel triton (the default is mixed)
 #   smoke_bcg  the serving smoke with breakable prefill CUDA graphs (--cuda-graph-backend-prefill breakable);
-#           smoke_overlap the same with --tangram-overlap-schedule (SGLang's overlap scheduler kept)
+#           smoke_nooverlap the same with --disable-overlap-schedule
 #   grid_stock / grid_r025 / grid_r05 / grid_r1   one server start each: the short class (4k documents) at 8, 32 and
 #           128 concurrent sessions (TTFT vs load) and the mid class (16k) at 64, a ${GRID_SECONDS:-60} s window each
 #           (GRID_CONTEXTS overrides the classes); grid_stock_nooverlap: stock with --disable-overlap-schedule;
 #           grid_r1_bcg / grid_r025_bcg: tangram with breakable prefill CUDA graphs; grid_r1_fi / grid_r025_fi:
 #           --tangram-extend-kernel flashinfer for every extend step (the default, mixed, runs question-sized ones in Triton);
-#           grid_r1_ov: --tangram-overlap-schedule
+#           grid_r1_nooverlap: --disable-overlap-schedule (tangram's default before session 16)
 #           TRACE_STEPS=N (TRACE_AT="ctx@conc ...", default short@8): SGLang's profiler over N steps of each such replay, GPU time
 #           per kernel in the result (bench_serving_grid_<x>_trace.json; eval/server_trace.py; never merged)
 #   accuracy_qwen  eval/accuracy_server.py on Qwen2.5-Coder-0.5B (stock triton, tangram r0.5 / r0.25) on its CPU run's
@@ -137,21 +137,21 @@ stage_exact1() { uniform_r1 "$SMOL" /tmp/smollm2.uniform.r1.0.p1.json 1; NAME=ex
     exact_runs stock:triton tangram:/tmp/smollm2.uniform.r1.0.p1.json; }
 # overlap scheduling against the same profile without it: the same kernels and batches, but under overlap a later turn
 # reuses one more cached token of the previous answer (its K/V from a decode step): first turns are the clean comparison
-stage_exact_ov() { NAME=exactness_smollm2_ov exact_runs tangram:/tmp/smollm2.uniform.r1.0.json \
-    tangram-ov:/tmp/smollm2.uniform.r1.0.json; }
+stage_exact_ov() { NAME=exactness_smollm2_ov exact_runs tangram-nooverlap:/tmp/smollm2.uniform.r1.0.json \
+    tangram:/tmp/smollm2.uniform.r1.0.json; }
 stage_exact_ov05() { local p="$R"/tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r0.5.json
-  NAME=exactness_smollm2_ov05 exact_runs tangram:"$p" tangram-ov:"$p"; }
+  NAME=exactness_smollm2_ov05 exact_runs tangram-nooverlap:"$p" tangram:"$p"; }
 # exact_ov differed (session 15: 77 of 96 turns, all but one of the differing ones later turns, which reuse one more
 # cached answer token under overlap): is the overlap server repeatable across a restart (a race would not be), and
 # how far does stock SGLang's own overlap scheduler move its outputs?
-stage_exact_ov_restart() { NAME=exactness_smollm2_ov_restart exact_runs tangram-ov:/tmp/smollm2.uniform.r1.0.json \
-    tangram-ov:/tmp/smollm2.uniform.r1.0.json tangram:/tmp/smollm2.uniform.r1.0.json; }
+stage_exact_ov_restart() { NAME=exactness_smollm2_ov_restart exact_runs tangram:/tmp/smollm2.uniform.r1.0.json \
+    tangram:/tmp/smollm2.uniform.r1.0.json tangram-nooverlap:/tmp/smollm2.uniform.r1.0.json; }
 stage_exact_ov_stock() { NAME=exactness_smollm2_ov_stock exact_runs stock:triton stock-nooverlap:triton; }
 # the bf16 noise floor between two correct stock backends
 stage_floor() { NAME=exactness_smollm2_floor exact_runs stock:triton stock:flashinfer; }
 stage_smoke_eager() { SMOKE_LABEL=llama8b_dummy_r0.25_eager SMOKE_EXTRA="--cuda-graph-backend-decode disabled" stage_smoke; }
 stage_smoke_bcg() { SMOKE_LABEL=llama8b_dummy_r0.25_bcg SMOKE_EXTRA="--cuda-graph-backend-prefill breakable" stage_smoke; }
-stage_smoke_overlap() { SMOKE_LABEL=llama8b_dummy_r0.25_overlap SMOKE_EXTRA="--tangram-overlap-schedule" stage_smoke; }
+stage_smoke_nooverlap() { SMOKE_LABEL=llama8b_dummy_r0.25_nooverlap SMOKE_EXTRA="--disable-overlap-schedule" stage_smoke; }
 # serving throughput, dummy Llama-3.1-8B, one server per call (a start costs 2 min; stock's first ~4 min: FlashInfer
 # JIT and prefill-graph capture)
 stage_bench_stock() { bench_run stock stock:flashinfer; }
@@ -202,7 +202,7 @@ pyspy_windows() {
   done
 }
 stage_grid_stock() { grid_run stock stock:flashinfer; }
-# stock without the overlap scheduler (the tangram backend runs without it): what that constraint alone costs
+# stock without the overlap scheduler (tangram's default until session 16): what that constraint alone costs
 stage_grid_stock_nooverlap() { grid_run stock_nooverlap stock-nooverlap:flashinfer; }
 stage_grid_r025() { grid_run r025 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
 stage_grid_r05() { grid_run r05 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.5.json; }
@@ -215,9 +215,9 @@ stage_grid_r025_fi() { grid_run r025_fi tangram@flashinfer:"$R"/tangram_sgl/prof
 # the same with breakable prefill CUDA graphs (--cuda-graph-backend-prefill breakable, opt-in until measured here)
 stage_grid_r1_bcg() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   grid_run r1_bcg tangram-bcg:/tmp/llama-3.1-8b.uniform.r1.0.json; }
-# --tangram-overlap-schedule: SGLang's overlap scheduler kept (experimental)
-stage_grid_r1_ov() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
-  grid_run r1_ov tangram-ov:/tmp/llama-3.1-8b.uniform.r1.0.json; }
+# --disable-overlap-schedule: without SGLang's overlap scheduler (tangram's default until session 16)
+stage_grid_r1_nooverlap() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
+  grid_run r1_nooverlap tangram-nooverlap:/tmp/llama-3.1-8b.uniform.r1.0.json; }
 stage_grid_r025_bcg() { grid_run r025_bcg tangram-bcg:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
 stage_soak() { soak_run all "${SOAK_MINUTES:-7}"; }
 # a 10-minute soak over two calls, back to back: the server started by soak_start outlives its call

@@ -23,8 +23,8 @@ and warm-up forwards carry no requests: while the ``PrefillCudaGraphRunner.captu
 (``tangram_sgl.patches.prefill_graph``) holds :meth:`prefill_capture`, such a batch gets a
 :class:`CaptureExtendStep` (zeros, no cache access); anywhere else a batch without request ids is refused.
 
-Overlap scheduling only with ``--tangram-overlap-schedule`` (experimental): rows never read ``input_ids``, the
-decoded ids are resolved by the radix cache from SGLang's ``req``. Not supported yet, each refused at
+SGLang's overlap scheduler (its default) is served: rows never read ``input_ids``, the decoded ids are resolved by
+the radix cache from SGLang's ``req``; the settings that break its order are refused with it. Not supported yet, each refused at
 construction with the flag to use: full / torch.compile prefill CUDA graphs, tensor / pipeline / data-parallel
 attention, two-batch overlap, PD multiplexing, speculative decoding; per layer: sliding windows, logit capping,
 cross attention, a model that writes its own KV (``save_kv_cache=False``).
@@ -33,7 +33,6 @@ cross attention, a model that writes its own KV (``save_kv_cache=False``).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,7 +46,7 @@ from tangram_sgl.attention.decode_graph import DecodeGraphBuffers, GraphDecodeSt
 from tangram_sgl.attention.forward_step import AttentionContext, ForwardStep
 from tangram_sgl.attention.segment_scoring import PreRope, config_pre_rope, needs_pre_rope
 from tangram_sgl.patches.attention_backend import TangramNotServable
-from tangram_sgl.patches.server_args import ENV_OVERLAP, PREFILL_GRAPH_BACKENDS
+from tangram_sgl.patches.server_args import OVERLAP_UNSUPPORTED, PREFILL_GRAPH_BACKENDS
 from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
 from tangram_sgl.profile import TangramProfile
 
@@ -61,9 +60,11 @@ def check_server_args(sa: Any) -> None:
         raise TangramNotServable(f"--kv-policy tangram: prefill CUDA graphs run only as breakable graphs (attention "
                                  f"eager between captured segments), not {graphs.prefill.backend!r}; pass "
                                  f"--cuda-graph-backend-prefill breakable or disabled")
-    if not sa.disable_overlap_schedule and os.environ.get(ENV_OVERLAP) != "1":
-        raise TangramNotServable("--kv-policy tangram runs SGLang's overlap scheduler only when asked for "
-                                 "(--tangram-overlap-schedule, experimental); pass it or --disable-overlap-schedule")
+    if not sa.disable_overlap_schedule:
+        for name, (flag, why) in OVERLAP_UNSUPPORTED.items():
+            if getattr(sa, name, False):
+                raise TangramNotServable(f"--kv-policy tangram with SGLang's overlap scheduler does not support "
+                                         f"{flag} ({why}); add --disable-overlap-schedule")
     for name, flag in (("tp_size", "--tp"), ("pp_size", "--pp"), ("dp_size", "--dp")):
         if getattr(sa, name, 1) != 1:
             raise TangramNotServable(f"--kv-policy tangram runs on one GPU for now; {flag} {getattr(sa, name)} "
