@@ -16,6 +16,22 @@ import triton.language as tl
 
 
 @triton.jit
+def _copy_rows(KSrc, VSrc, K, V, src_k, src_v, slot, col, mask,
+               stride_kp, stride_kc, stride_kt, stride_vp, stride_vc, stride_vt,
+               PAGE: tl.constexpr, D: tl.constexpr):
+    """Rows ``KSrc + src_k[i]`` / ``VSrc + src_v[i]`` (D contiguous values) to (slot[i], column col[i]) of the pool,
+    cast to its dtype, where ``mask``."""
+    page, row = slot // PAGE, slot % PAGE
+    d = tl.arange(0, D)
+    k = tl.load(KSrc + src_k[:, None] + d[None, :], mask=mask[:, None])
+    tl.store(K + (page * stride_kp + col * stride_kc + row * stride_kt)[:, None] + d[None, :],
+             k.to(K.dtype.element_ty), mask=mask[:, None])
+    v = tl.load(VSrc + src_v[:, None] + d[None, :], mask=mask[:, None])
+    tl.store(V + (page * stride_vp + col * stride_vc + row * stride_vt)[:, None] + d[None, :],
+             v.to(V.dtype.element_ty), mask=mask[:, None])
+
+
+@triton.jit
 def _scatter_kv_kernel(Slot, Column, Token, Head, KSrc, VSrc, K, V, m,
                        stride_st, stride_sh, stride_vst, stride_vsh,
                        stride_kp, stride_kc, stride_kt, stride_vp, stride_vc, stride_vt,
@@ -26,14 +42,8 @@ def _scatter_kv_kernel(Slot, Column, Token, Head, KSrc, VSrc, K, V, m,
     col = tl.load(Column + offs, mask=mask, other=0).to(tl.int64)
     tok = tl.load(Token + offs, mask=mask, other=0).to(tl.int64)
     head = tl.load(Head + offs, mask=mask, other=0).to(tl.int64)
-    page, row = slot // PAGE, slot % PAGE
-    d = tl.arange(0, D)
-    k = tl.load(KSrc + (tok * stride_st + head * stride_sh)[:, None] + d[None, :], mask=mask[:, None])
-    tl.store(K + (page * stride_kp + col * stride_kc + row * stride_kt)[:, None] + d[None, :],
-             k.to(K.dtype.element_ty), mask=mask[:, None])
-    v = tl.load(VSrc + (tok * stride_vst + head * stride_vsh)[:, None] + d[None, :], mask=mask[:, None])
-    tl.store(V + (page * stride_vp + col * stride_vc + row * stride_vt)[:, None] + d[None, :],
-             v.to(V.dtype.element_ty), mask=mask[:, None])
+    _copy_rows(KSrc, VSrc, K, V, tok * stride_st + head * stride_sh, tok * stride_vst + head * stride_vsh, slot, col,
+               mask, stride_kp, stride_kc, stride_kt, stride_vp, stride_vc, stride_vt, PAGE, D)
 
 
 def _check(k_src: torch.Tensor, v_src: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
@@ -80,14 +90,8 @@ def _write_token_kv_kernel(Slots, HeadGroup, HeadColumn, KSrc, VSrc, K, V, num_h
     g = tl.load(HeadGroup + h, mask=mask, other=0).to(tl.int64)
     col = tl.load(HeadColumn + h, mask=mask, other=0).to(tl.int64)
     slot = tl.load(Slots + r * stride_sr + g, mask=mask, other=0).to(tl.int64)
-    page, row = slot // PAGE, slot % PAGE
-    d = tl.arange(0, D)
-    k = tl.load(KSrc + (r * stride_kr + h * stride_kh)[:, None] + d[None, :], mask=mask[:, None])
-    tl.store(K + (page * stride_kp + col * stride_kc + row * stride_kt)[:, None] + d[None, :],
-             k.to(K.dtype.element_ty), mask=mask[:, None])
-    v = tl.load(VSrc + (r * stride_vr + h * stride_vh)[:, None] + d[None, :], mask=mask[:, None])
-    tl.store(V + (page * stride_vp + col * stride_vc + row * stride_vt)[:, None] + d[None, :],
-             v.to(V.dtype.element_ty), mask=mask[:, None])
+    _copy_rows(KSrc, VSrc, K, V, r * stride_kr + h * stride_kh, r * stride_vr + h * stride_vh, slot, col, mask,
+               stride_kp, stride_kc, stride_kt, stride_vp, stride_vc, stride_vt, PAGE, D)
 
 
 def write_token_kv(slots: torch.Tensor, head_group: torch.Tensor, head_column: torch.Tensor, k: torch.Tensor,
