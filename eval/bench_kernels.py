@@ -51,7 +51,7 @@ from tangram_sgl.kernels.flashinfer_decode import (
 )
 from tqdm import tqdm
 
-from tangram_sgl.aot_table import DEFAULT_TARGET_CTAS
+from tangram_sgl.aot_table import TARGET_CANDIDATES
 from tangram_sgl.budget import kept_tokens
 from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.profile import ModelIdentity, TangramProfile
@@ -84,7 +84,9 @@ LLAMA_8B = Shape(num_layers=32, hq=32, hkv=8, head_dim=128, page_size=16, heads_
 TINY = Shape(num_layers=2, hq=8, hkv=4, head_dim=32, page_size=16, heads_per_group=2)
 
 
-def synthetic_profile(shape: Shape, mean_budget: float, target_ctas: int = DEFAULT_TARGET_CTAS) -> TangramProfile:
+def synthetic_profile(shape: Shape, mean_budget: float, target_ctas: int | None = None) -> TangramProfile:
+    """The benchmark's head pattern at ``mean_budget``; its AOT table at ``target_ctas`` for every bucket, or (None)
+    the table's own per-bucket choice, as served."""
     pattern = BUDGET_PATTERNS[mean_budget][: shape.hkv]
     model = ModelIdentity("LlamaForCausalLM", "llama", shape.num_layers, shape.hkv, shape.hq, shape.head_dim, "synthetic")
     return build_profile(
@@ -428,11 +430,11 @@ def main() -> None:
                          "cache) or only the uncompressed cache (stock SGLang's decode; each FlashInfer kernel variant "
                          "is a JIT compile of minutes on a fresh machine)")
     ap.add_argument("--no-anchor", action="store_true", help="do not measure the anchor first (when not in the grid)")
-    ap.add_argument("--study-targets", default=f"{DEFAULT_TARGET_CTAS // 4},{DEFAULT_TARGET_CTAS // 2},"
-                    f"{DEFAULT_TARGET_CTAS},{2 * DEFAULT_TARGET_CTAS}",
+    ap.add_argument("--study-targets", default=",".join(map(str, TARGET_CANDIDATES)),
                     help="CTA targets of the AOT-table study at the study points ('' skips the study)")
-    ap.add_argument("--target-ctas", default=str(DEFAULT_TARGET_CTAS),
-                    help="the AOT table's CTA target for the main configs, or 'best': the study's best worst case")
+    ap.add_argument("--target-ctas", default="table",
+                    help="the AOT table's CTA target for the main configs: 'table' (each bucket's simulated best, as "
+                         "served), 'best' (the study's best worst case) or a number")
     ap.add_argument("--fi-from", metavar="JSON",
                     help="with --no-flashinfer: copy the FlashInfer columns (fi_*) of the same (batch, context, "
                          "budget) from this earlier run (they do not depend on our kernel or AOT table)")
@@ -473,8 +475,8 @@ def main() -> None:
             ap.error("--target-ctas best needs the study (--study-targets)")
         target_ctas = best_target_ctas(study)
     else:
-        target_ctas = int(args.target_ctas)
-    print("AOT table CTA target of the main configs:", target_ctas, flush=True)
+        target_ctas = None if args.target_ctas == "table" else int(args.target_ctas)
+    print("AOT table CTA target of the main configs:", target_ctas or "each bucket's simulated best", flush=True)
     write_results(out, shape, {}, tune, study, target_ctas, [])  # a run cut short keeps the study
     configs = [(b, n, m) for m in budgets for n in contexts for b in batches]
     if not (args.tiny or args.no_anchor):  # the anchor first, so a run cut short still has it

@@ -39,7 +39,8 @@
 #   accuracy  eval/accuracy_server.py: SmolLM2 servers (stock triton, tangram r0.5) on the CPU accuracy run's conversations
 #           (accuracy_p31: the snapkv:pool_kernel=31 profile on its own CPU run's conversations)
 #   kernels  eval/bench_kernels.py: Triton block-config tune, decode CTA-target study, then the batch 16-64 x 32k/64k
-#           grid at the study's best target (FlashInfer columns copied from bench_kernels_aot2.json)
+#           grid with the served AOT tables (each bucket's simulated best target; FlashInfer columns copied from
+#           bench_kernels_aot2.json)
 #   kernels_short  the same kernel at the short class's decode shapes (batch 8/32/128 x 4k, budgets 1.0/0.25) beside FlashInfer
 #           (kernels_short_configs / kernels_short_targets: those shapes under each of the tune's block configs / under
 #           AOT tables for CTA targets TARGETS="264 528 1056 2112", Triton only)
@@ -230,7 +231,7 @@ soak_run() {
 }
 # the decode kernel's CTA-target study + Triton-only grid (FlashInfer baselines: drop --no-flashinfer, ~2x longer)
 stage_kernels() { (cd /tmp && timeout 580 python3 "$R"/eval/bench_kernels.py --no-flashinfer \
-  --fi-from "$R"/eval/results/bench_kernels_aot2.json --study-targets 264,528,792,1056,1584 --target-ctas best \
+  --fi-from "$R"/eval/results/bench_kernels_aot2.json --target-ctas table \
   --batches 16,32,64 --contexts 32768,65536 --out "$OUT"/bench_kernels_study.json 2>&1 | tail -30); }
 # the short class's decode shapes (4k contexts, 32 and 128 rows) against FlashInfer on the uncompressed cache (stock's
 # decode; the FlashInfer paths on our cache would each cost a JIT compile): serving there showed 8.3-10.9 ms of
