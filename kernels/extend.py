@@ -136,7 +136,8 @@ def _extend_merge_kernel(O, MidO, MidLse, num_splits, total_new, stride_ot, stri
     lse = tl.load(MidLse + mid, mask=mask_s, other=float("-inf"))
     o = tl.load(MidO + mid[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
     w = tl.exp(lse - tl.max(lse, 0))
-    tl.store(O + t * stride_ot + q * stride_oh + offs_d, (tl.sum(o * w[:, None], 0) / tl.sum(w, 0)).to(O.dtype.element_ty))
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(O + t * stride_ot + q * stride_oh + offs_d, out.to(O.dtype.element_ty))
 
 
 def extend_attention(

@@ -47,12 +47,14 @@ _UNSUPPORTED = (
     ("disaggregation_mode", "null", "--disaggregation-mode"),
 )
 _SUPPORTED_KV_DTYPES = ("auto", "bf16", "bfloat16", "float16")
+
 # Settings refused while SGLang's overlap scheduler runs: ServerArgs field -> (flag, why); the backend checks them too.
 OVERLAP_UNSUPPORTED = {
     "enable_mixed_chunk": ("--enable-mixed-chunk", ("under overlap SGLang places a running request's row one "
                                                     "position ahead when its previous batch left it out; untested")),
     "strip_thinking_cache": ("--strip-thinking-cache", "it caches fewer tokens than the backend computed"),
 }
+
 
 class KvPolicyError(ValueError):
     """``--kv-policy tangram`` was combined with settings it cannot honour."""

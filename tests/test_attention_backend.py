@@ -787,7 +787,8 @@ def test_flashinfer_extend_kernels_are_warmed_up_when_the_backend_starts(registr
 @pytest.mark.parametrize("changes, message", [
     ({"cuda_graph_config": CudaGraphConfig(prefill=PhaseConfig(backend=Backend.FULL))},
      "not 'full'; pass --cuda-graph-backend-prefill breakable or disabled"),
-    ({"disable_overlap_schedule": False, "enable_mixed_chunk": True}, "--enable-mixed-chunk.*--disable-overlap-schedule"),
+    ({"disable_overlap_schedule": False, "enable_mixed_chunk": True},
+     "--enable-mixed-chunk.*--disable-overlap-schedule"),
     ({"disable_overlap_schedule": False, "strip_thinking_cache": True}, "--strip-thinking-cache"),
     ({"tp_size": 2}, "--tp 2"),
     ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),

@@ -24,10 +24,10 @@ and warm-up forwards carry no requests: while the ``PrefillCudaGraphRunner.captu
 :class:`CaptureExtendStep` (zeros, no cache access); anywhere else a batch without request ids is refused.
 
 SGLang's overlap scheduler (its default) is served: rows never read ``input_ids``, the decoded ids are resolved by
-the radix cache from SGLang's ``req``; the settings that break its order are refused with it. Not supported yet, each refused at
-construction with the flag to use: full / torch.compile prefill CUDA graphs, tensor / pipeline / data-parallel
-attention, two-batch overlap, PD multiplexing, speculative decoding; per layer: sliding windows, logit capping,
-cross attention, a model that writes its own KV (``save_kv_cache=False``).
+the radix cache from SGLang's ``req``; the settings that break its order are refused with it. Not supported yet,
+each refused at construction with the flag to use: full / torch.compile prefill CUDA graphs, tensor / pipeline /
+data-parallel attention, two-batch overlap, PD multiplexing, speculative decoding; per layer: sliding windows,
+logit capping, cross attention, a model that writes its own KV (``save_kv_cache=False``).
 """
 
 from __future__ import annotations

@@ -7,11 +7,11 @@ holding one region per group: ``[start_g, start_g + cap_g)``, of which the first
 host list. A request's lists only ever grow at their end, so a decode step is O(requests x groups) of host
 work: the new token's slot per group is scattered on the device at ``start_g + len_g`` and ``len_g`` rises.
 
-A request is (re)uploaded whole (:meth:`DeviceSlotLists.upload`, all of a step's such requests together) when it is new, when its lists changed in
-another way since the last sync (a committed segment, a checkpoint that deduplicated tree pages, decode
-tokens appended by a mixed batch), or when a region is full. ``cap_g`` leaves room for the decode tokens
-already reserved for it plus one page. When the arena has no room even after it is cleared (every mirror is
-rebuilt on demand), :meth:`upload` returns False and the caller falls back to host-built lists for that
+A request is (re)uploaded whole (:meth:`DeviceSlotLists.upload`, all of a step's such requests together) when it is
+new, when its lists changed in another way since the last sync (a committed segment, a checkpoint that deduplicated
+tree pages, decode tokens appended by a mixed batch), or when a region is full. ``cap_g`` leaves room for the
+decode tokens already reserved for it plus one page. When the arena has no room even after it is cleared (every
+mirror is rebuilt on demand), :meth:`upload` returns False and the caller falls back to host-built lists for that
 step (logged: a slow path, not a silent one).
 """
 
