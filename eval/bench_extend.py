@@ -14,11 +14,11 @@ without prefix splits, the serving call (default config, prefix splits from ``ex
 0.6.15's ragged causal prefill on contiguous K/V as references — over the whole uncompressed context (what stock
 SGLang's attention reads) and over a uniform cache of the mean kept length (what an ideal kernel over the
 compressed cache could approach) — and a candidate replacement on the same compressed cache: FlashInfer's chunk
-prefill + a pseudo-request paged prefill over the prefix, merged by log-sum-exp — the serving path of ``--tangram-
-extend-kernel flashinfer`` (``flashinfer_serving_path``: a page-size-1 view of the pool; one layer on a planned
-step, and separately a whole step of one layer, its plans included: the plans are made once per step, for all
-layers). Every output is checked against the default configuration's. The JSON is rewritten after every case (a run
-cut short keeps the cases it finished).
+prefill + a pseudo-request paged prefill over the prefix, merged by log-sum-exp — the serving path of
+``--tangram-extend-kernel flashinfer`` (``flashinfer_serving_path``: a page-size-1 view of the pool; one layer on a
+planned step, and separately a whole step of one layer, its plans included: the plans are made once per step, for
+all layers). Every output is checked against the default configuration's. The JSON is rewritten after every case (a
+run cut short keeps the cases it finished).
 
 GPU:  python eval/bench_extend.py --out eval/results
 CPU smoke test (interpreter, tiny shapes, no FlashInfer):  TRITON_INTERPRET=1 python eval/bench_extend.py --tiny --out /tmp
