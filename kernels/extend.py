@@ -188,6 +188,8 @@ def extend_attention(
     blocks = max(1, triton.cdiv(max_new_tokens, toks))
     if num_splits is None:
         num_splits = 1 if max_prefix is None else extend_splits(B, hkv, blocks, max_prefix)
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
     total = q.shape[0]
     mid_o = mid_lse = out  # unused placeholders when S == 1
     if num_splits > 1:
