@@ -48,6 +48,7 @@
 #           (the serving FlashInfer path included); writes its JSON after every case
 #   jit_save / jit_restore  compiled FlashInfer JIT modules and Triton's cache, brought back and carried to a fresh machine
 #   fi_warm  compile the servers' FlashInfer extend kernels ahead of a server start (each tangram server warms them too)
+#   kernel_resources  registers, shared memory and stack of every compiled Triton kernel in Triton's cache
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/pyspy/bin:/tmp/site/bin:$PATH  # py-spy: SGLang's watchdog dumps
@@ -97,6 +98,16 @@ stage_jit_restore() {
 }
 # FlashInfer's JIT compile of the extend kernels the servers use (the dummy Llama-3.1-8B: 32 / 8 heads of 128;
 # SmolLM2-135M: 9 / 3 heads of 64; bf16), before a server's start has to wait for it (minutes on a fresh machine)
+# registers / shared memory / spills of every compiled Triton kernel in Triton's cache (after tests or a server):
+# the AOT table's launch simulation assumes 3 resident decode programs per SM; Triton 3.8 on the CPU machine
+# compiles the decode kernel to 255 registers a thread (2 per SM by registers)
+stage_kernel_resources() {
+  local dump; dump=$(command -v cuobjdump || ls /usr/local/cuda/bin/cuobjdump 2>/dev/null || python3 -c \
+    "import os, triton; print(os.path.dirname(triton.__file__) + '/backends/nvidia/bin/cuobjdump')")
+  find "$HOME/.triton/cache" -name '*.cubin' | while read -r f; do
+    echo "== $(basename "$f")"; "$dump" --dump-resource-usage "$f" | grep -E "Function|REG"
+  done | tee "$OUT/kernel_resources.txt" | head -60
+}
 stage_fi_warm() { (cd /tmp && timeout 540 python3 - <<'PY'
 import time
 import numpy as np
