@@ -9,10 +9,9 @@ import json
 import sys
 
 import triton
+from tangram_sgl.kernels import compaction, decode, extend, pool_write, pseudo_pages, scoring
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-
-from tangram_sgl.kernels import compaction, decode, extend, pool_write, pseudo_pages, scoring
 
 H200 = GPUTarget("cuda", 90, 32)
 MODULES = (compaction, decode, extend, pool_write, pseudo_pages, scoring)
