@@ -69,12 +69,11 @@ def decode_makespan(head_budgets: Sequence[float], head_splits: Sequence[int], b
         if last:
             jobs[last + per_program_tokens] += batch
     loads = np.zeros(wave_ctas)
-    for work, count in sorted(jobs.items(), reverse=True):
-        while count:  # identical programs fill the least-loaded slots a round at a time
-            k = min(count, wave_ctas)
-            loads.sort()
-            loads[:k] += work
-            count -= k
+    for work, count in sorted(jobs.items(), reverse=True):  # identical programs: whole rounds, then the rest
+        rounds, rest = divmod(count, wave_ctas)
+        loads += rounds * work
+        loads.sort()
+        loads[:rest] += work
     return float(loads.max())
 
 
