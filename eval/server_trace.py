@@ -13,9 +13,7 @@ refuses traced runs).
 
 from __future__ import annotations
 
-import importlib
 import json
-import pkgutil
 import re
 import sys
 import threading
@@ -25,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
+from tangram_sgl.kernels import triton_kernels
 from trace_steps import analyse, load_events
 
 RUNNING = re.compile(r"^sglang:num_running_reqs(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
@@ -66,19 +65,6 @@ class TraceTrigger(threading.Thread):
             self.error = f"{type(e).__name__}: {e}"
 
 
-def tangram_kernel_names() -> set[str]:
-    """Names of tangram_sgl's Triton kernels (every ``triton.jit`` function of ``tangram_sgl.kernels``)."""
-    import tangram_sgl.kernels as pkg
-    import triton
-
-    names = set()
-    for info in pkgutil.iter_modules(pkg.__path__):
-        mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
-        names |= {obj.fn.__name__ for obj in vars(mod).values()  # compiled or interpreted (TRITON_INTERPRET=1)
-                  if isinstance(obj, triton.runtime.jit.KernelInterface) and callable(getattr(obj, "fn", None))}
-    return names
-
-
 def _busy_us(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals."""
     total, end = 0.0, float("-inf")
@@ -97,7 +83,7 @@ def summarize_trace(path: Path, top: int = 30) -> dict[str, Any]:
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     if not kernels:
         raise ValueError(f"{path}: no GPU kernel events (was the GPU activity recorded?)")
-    ours = tangram_kernel_names()
+    ours = set(triton_kernels())  # tangram_sgl's own Triton kernels
     per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in kernels:
         per[e["name"]][0] += 1

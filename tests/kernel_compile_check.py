@@ -9,12 +9,20 @@ import json
 import sys
 
 import triton
-from tangram_sgl.kernels import compaction, decode, extend, pool_write, pseudo_pages, scoring
+from tangram_sgl.kernels import (
+    compaction,
+    decode,
+    extend,
+    flashinfer_decode,
+    pool_write,
+    pseudo_pages,
+    scoring,
+    triton_kernels,
+)
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 H200 = GPUTarget("cuda", 90, 32)
-MODULES = (compaction, decode, extend, pool_write, pseudo_pages, scoring)
 HELPERS = {"_copy_rows"}  # jit functions called from kernels, compiled with them
 DATA = {"Q", "K", "V", "O", "KNew", "VNew", "KSrc", "VSrc", "KStage", "VStage"}  # bf16 tensors
 PARTIALS = {"MidO", "MidLse", "Lse", "S"}  # fp32 tensors
@@ -50,6 +58,7 @@ def cases(d: int, gq: int) -> list[tuple]:
         (pool_write._scatter_kv_kernel, {"PAGE": 16, "D": d, "BLOCK": 32}, 4, 3),
         (pool_write._write_token_kv_kernel, {"PAGE": 16, "D": d, "BLOCK_H": 8}, 4, 3),
         (pseudo_pages._pseudo_pages_kernel, {"PAGE": 16, "HP": 4, "BLOCK": 1024}, 4, 3),
+        (flashinfer_decode._pseudo_page_table_kernel, {"PAGE": 16, "HP": 4, "BLOCK": 128}, 4, 3),
     ]
 
 
@@ -66,7 +75,7 @@ def main() -> int:
                 compiled.append(name)
             except Exception as e:  # noqa: BLE001 (every failure is reported)
                 failures.append(f"{name}: {type(e).__name__}: {str(e)[:1500]}")
-    kernels = {n for m in MODULES for n in dir(m) if isinstance(getattr(m, n), triton.JITFunction)}
+    kernels = set(triton_kernels())
     print(json.dumps({"compiled": compiled, "failures": failures, "uncovered": sorted(kernels - HELPERS - covered)}))
     return 0
 

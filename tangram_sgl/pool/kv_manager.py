@@ -567,8 +567,9 @@ class TangramKVManager:
             stale = np.flatnonzero(~dl.ready_for_step(rids, versions, tokens))
             if stale.size:  # all of them in one slot_lists call and one upload
                 sub = [reqs[r] for r in stale]
-                indptr, slots = self.slot_lists([req.rid for req in sub], self.pool.device)
-                if not dl.upload([req.rid for req in sub], indptr.diff().numpy(), slots,
+                sub_rids = [req.rid for req in sub]
+                indptr, slots = self.slot_lists(sub_rids, self.pool.device)
+                if not dl.upload(sub_rids, indptr.diff().numpy(), slots,
                                  np.array([self._decode_room(req) for req in sub]), [req.version for req in sub],
                                  [tokens[r] for r in stale]):
                     return None
