@@ -175,9 +175,11 @@ def host_time_ms(fn: Callable[[], object], reps: int = 15) -> float:
 
 
 def run_config(shape: Shape, profile: TangramProfile, batch: int, context: int, dev: str, tune: tuple[int, int, int],
-               with_flashinfer: bool, gen: torch.Generator, extra_tc: bool, ours_cache: bool = True) -> dict:
+               with_flashinfer: bool, gen: torch.Generator, extra_tc: bool, ours_cache: bool = True,
+               launch_splits: int = 0) -> dict:
     """One (batch, context, budget) case: our kernel, and with ``with_flashinfer`` FlashInfer on the uncompressed
-    cache, plus (``ours_cache``) FlashInfer plan()+run and stored plans on the same compressed cache."""
+    cache, plus (``ours_cache``) FlashInfer plan()+run and stored plans on the same compressed cache.
+    ``launch_splits``: the launch's split dimension at least this (the extra programs exit at once)."""
     c = build_cache(shape, profile, batch, context, dev, gen)
     D = shape.head_dim
     q = torch.randn(batch, shape.hq, D, device=dev, dtype=c.k.dtype)
@@ -185,12 +187,13 @@ def run_config(shape: Shape, profile: TangramProfile, batch: int, context: int, 
     table = profile.aot_split
     splits_row = table.splits_for(batch)
     splits = torch.tensor(splits_row, dtype=torch.int32, device=dev)
+    max_splits = max(*splits_row, launch_splits)
     block_n, warps, stages = tune
     starts, lens = csr_ranges(c.kv_indptr)
 
     def ours() -> torch.Tensor:
         return paged_decode(q, c.k, c.v, starts, lens, c.kv_indices, c.head_group, c.head_column, splits,
-                            head_order=c.head_order, max_splits=max(splits_row), min_split_tokens=table.min_split_tokens, sm_scale=scale,
+                            head_order=c.head_order, max_splits=max_splits, min_split_tokens=table.min_split_tokens, sm_scale=scale,
                             block_n=block_n, num_warps=warps, num_stages=stages)
 
     kept = sum(c.head_len)
@@ -199,7 +202,7 @@ def run_config(shape: Shape, profile: TangramProfile, batch: int, context: int, 
         "batch": batch, "context": context, "mean_budget": profile.target_ratio,
         "kept_tokens_per_head": c.head_len, "kept_fraction": kept / (shape.hkv * context),
         "bytes_read": bytes_read, "roofline_ms": bytes_read / HBM_BYTES_PER_S * 1e3,
-        "splits": list(splits_row), "max_splits": max(splits_row),
+        "splits": list(splits_row), "max_splits": max_splits,
     }
     out = ours()
     res["triton_ms"], res["timing"] = gpu_time_ms(ours)
@@ -435,6 +438,10 @@ def main() -> None:
     ap.add_argument("--target-ctas", default="table",
                     help="the AOT table's CTA target for the main configs: 'table' (each bucket's simulated best, as "
                          "served), 'best' (the study's best worst case) or a number")
+    ap.add_argument("--launch-splits", type=int, default=0,
+                    help="launch the main configs with at least this many programs per (request, kv head), the extra "
+                         "ones exiting at once: what early exits cost (a table with per-context rows would launch the "
+                         "largest row's grid at every context)")
     ap.add_argument("--fi-from", metavar="JSON",
                     help="with --no-flashinfer: copy the FlashInfer columns (fi_*) of the same (batch, context, "
                          "budget) from this earlier run (they do not depend on our kernel or AOT table)")
@@ -490,7 +497,7 @@ def main() -> None:
     profiles = {m: synthetic_profile(shape, m, target_ctas) for m in {c[2] for c in configs}}
     for b, n, m in tqdm(configs, desc="configs"):
         r = run_config(shape, profiles[m], b, n, dev, tuple(tune["best"]), with_fi, gen, extra_tc=(b, n, m) == ANCHOR,
-                       ours_cache=args.fi_baselines == "all")
+                       ours_cache=args.fi_baselines == "all", launch_splits=args.launch_splits)
         r.update(fi_columns.get((b, n, m), {}))
         results.append(r)
         print(json.dumps({k: (round(x, 4) if isinstance(x, float) else x) for k, x in r.items() if k != "kept_tokens_per_head"}), flush=True)

@@ -15,8 +15,9 @@ SGLang backend makes, then times, per step:
   writes.
 
 Writes ``<out>/<name>.json``. Runs on CPU too at toy sizes (``--device cpu``: torch kernels);
-``--host-only`` times just the decode step's host metadata (no attention, CSR or extend), which is
-host-bound on any machine.
+``--host-only`` times just the host work (no attention, CSR or extend): the decode step's metadata, and what a
+question turn's admission costs per request in the scheduler's hooks (match, attach, reservation: each session's
+context finished into the radix tree first), which is host-bound on any machine.
 
     python eval/bench_step_host.py --requests 16 --context 32768 --out eval/results
 """
@@ -116,6 +117,28 @@ def write_layers(kv: TangramKVManager, rid: str, n: int, gen: torch.Generator, d
     return timed(dev, run)[0]
 
 
+def admission_us(kv: TangramKVManager, rids: list[str], question: int, decode: int) -> dict[str, list[float]]:
+    """What the scheduler's hooks cost per request on a question turn (microseconds, one per session): each session
+    finishes (its context goes into the radix tree), then a new request on its tokens plus ``question`` more is
+    matched (``match_prefix``), attached and reserved (the ``alloc_for_extend`` hook), then aborted."""
+    out: dict[str, list[float]] = {"match": [], "attach": [], "reserve": []}
+    for rid in rids:
+        tokens = list(kv.requests[rid].token_ids)
+        kv.finish(rid)
+        tokens += [7] * question
+        t0 = time.perf_counter()
+        node, _ = kv.tree.match(tokens)
+        t1 = time.perf_counter()
+        kv.attach(rid, node, tokens)
+        t2 = time.perf_counter()
+        kv.reserve(rid, tokens[node.end:], decode)
+        t3 = time.perf_counter()
+        kv.abort(rid)
+        for key, dt in zip(out, (t1 - t0, t2 - t1, t3 - t2)):
+            out[key].append(dt * 1e6)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--profile", default=str(DEFAULT_PROFILE))
@@ -201,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         extend[question] = {"host_ms": host_times[2], "layers_ms": layer_times[2],
                             "first_full_batch_layers_ms": layer_times[1], "compressed": bool(step.compressed)}
 
+    admission = admission_us(kv, rids, questions[0], 64)
     med = statistics.median
     data = {"profile": Path(a.profile).name, "extend_kernel": kernel if kernel != "triton" else ctx.kernels.name,
             "requests": a.requests, "context": a.context, "chunk": a.chunk,
@@ -209,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             "decode_attention_graph_ms": graph_ms,
             "csr_rebuild_ms": csr_ms, "csr_entries": csr_entries, "extend": extend, "prefill_chunk_write_ms": prefill_ms,
             "arena_used": kv.device_lists.used,
-            "arena_capacity": kv.device_lists.capacity, "arena_fallback_steps": kv.arena_fallback_steps}
+            "arena_capacity": kv.device_lists.capacity, "arena_fallback_steps": kv.arena_fallback_steps,
+            "admission_us": admission}
     tag = f"{a.requests} x {a.context // 1024}k, {Path(a.profile).stem}, {data['extend_kernel']} extend"
     if a.host_only:
         tag += f", {lay.num_groups} groups, host only on {a.device}"
@@ -228,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         summary_row(f"prefill chunk segment writes, all layers (median, {a.chunk} tokens)",
                     round(med(prefill_ms), 3), "ms"),
     ]
+    summary += [summary_row(f"question turn admission, {key} (median per request, {questions[0]}-token question on a "
+                            f"cached {a.context // 1024}k context, {tag})", round(med(v), 1), "us")
+                for key, v in admission.items()]
     for row in summary:
         print(f"{row['metric']}: {row['value']} {row['unit']}")
     print("wrote", write_result(a.name, data, summary, directory=a.out))

@@ -29,6 +29,20 @@ def test_allocator_never_hands_out_page_zero_and_rejects_bad_frees():
     with pytest.raises(PoolExhausted):
         a.alloc(2)
     assert a.free_count() == 1  # a failed alloc takes nothing
+    assert a.alloc(1) == [3]  # LIFO: the page freed last comes back first
+
+
+def test_allocator_refuses_a_bad_free_whole():
+    """A free with a double or an out-of-range page frees none of its pages, so nothing is half-returned."""
+    a = PageAllocator(6)
+    pages = a.alloc(4)
+    with pytest.raises(ValueError, match=f"double free of page {pages[0]}"):
+        a.free([pages[1], pages[0], pages[0]])
+    with pytest.raises(ValueError, match="not an allocatable page"):
+        a.free([pages[1], 6])
+    assert a.free_count() == 1 and sorted(a.free_pages() + pages) == [1, 2, 3, 4, 5]
+    a.free(pages)
+    assert a.free_count() == 5 and a.alloc(2) == pages[-2:]
 
 
 def test_null_page_written_only_by_cuda_graph_padding():

@@ -44,6 +44,7 @@
 #   kernels_short  the same kernel at the short class's decode shapes (batch 8/32/128 x 4k, budgets 1.0/0.25) beside FlashInfer
 #           (kernels_short_configs / kernels_short_targets: those shapes under each of the tune's block configs / under
 #           AOT tables for CTA targets TARGETS="264 528 1056 2112", Triton only)
+#   kernels_short_exits  the same with 17 / 32 programs per (request, kv head), the extra ones exiting at once
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 #           (the serving FlashInfer path included); writes its JSON after every case
 #   jit_save / jit_restore  compiled FlashInfer JIT modules and Triton's cache, brought back and carried to a fresh machine
@@ -98,9 +99,8 @@ stage_jit_restore() {
 }
 # FlashInfer's JIT compile of the extend kernels the servers use (the dummy Llama-3.1-8B: 32 / 8 heads of 128;
 # SmolLM2-135M: 9 / 3 heads of 64; bf16), before a server's start has to wait for it (minutes on a fresh machine)
-# registers / shared memory / spills of every compiled Triton kernel in Triton's cache (after tests or a server):
-# the AOT table's launch simulation assumes 3 resident decode programs per SM; Triton 3.8 on the CPU machine
-# compiles the decode kernel to 255 registers a thread (2 per SM by registers)
+# registers / shared memory / spills of every compiled Triton kernel in Triton's cache (after tests or a server), as
+# the H200 compiled them; eval/kernel_resources.py reads the same on the CPU machine with Triton 3.6 from PyPI
 stage_kernel_resources() {
   local dump; dump=$(command -v cuobjdump || ls /usr/local/cuda/bin/cuobjdump 2>/dev/null || python3 -c \
     "import os, triton; print(os.path.dirname(triton.__file__) + '/backends/nvidia/bin/cuobjdump')")
@@ -264,6 +264,10 @@ stage_kernels_short_configs() { local cfg; for cfg in $(cd "$R"/eval && python3 
 # block configs within 3 % of each other at these shapes)
 stage_kernels_short_targets() { local t; for t in ${TARGETS:-264 528 1056 2112}; do
   kernels_short_triton "bench_kernels_short_target$t" --target-ctas "$t"; done; }
+# what early-exit programs cost: the served tables launched with 17 and 32 programs per (request, kv head) at the
+# short shapes (a table with a row per context would launch its largest row's grid at every context)
+stage_kernels_short_exits() { local n; for n in 17 32; do
+  kernels_short_triton "bench_kernels_short_launch$n" --launch-splits "$n"; done; }
 stage_extend() { (cd /tmp && timeout 540 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 # the GPU server's accuracy vs the CPU reference run, same conversations (after `smol`; ~3 min per server)
 stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \

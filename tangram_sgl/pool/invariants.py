@@ -102,6 +102,8 @@ def check_invariants(mgr: TangramKVManager, deep: bool = True) -> None:
             _fail(f"{where}: not indexed under its first token in its parent")
         if node.lock_ref < 0:
             _fail(f"{where}: negative lock count")
+        if node.pages != seg.num_pages():
+            _fail(f"{where}: counts {node.pages} pages, its segment holds {seg.num_pages()}")
         _check_segment(mgr, seg, where, deep)
         kind = "evictable" if node.lock_ref == 0 else "protected"
         counters[kind + "_pages"] += seg.num_pages()

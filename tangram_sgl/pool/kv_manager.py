@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tangram_sgl.budget import pages_for
+from tangram_sgl.budget import kept_tokens_quantized, pages_for
 from tangram_sgl.kernels.pieces import piece_positions
 from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.pool.device_copy import to_device, to_host
 from tangram_sgl.pool.device_slot_lists import DeviceSlotLists
 from tangram_sgl.pool.group_page_pool import GroupPagePool
-from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, SegmentWrites, segment_kept_counts
+from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, SegmentWrites
 from tangram_sgl.pool.segment import GroupSlots, Segment, page_list_slots, slot_tables
 from tangram_sgl.pool.step_writes import CompressedWrites, FullSegmentWrites
 from tangram_sgl.profile import TangramProfile
@@ -196,13 +196,12 @@ class TangramKVManager:
         ``req.last_node``); ``token_ids`` must begin with that node's path."""
         if rid in self.requests:
             raise ValueError(f"request {rid!r} is already running")
-        path_tokens = [t for n in SegmentTree.path(node) for t in n.tokens]
-        if list(token_ids[: len(path_tokens)]) != path_tokens:
-            raise ValueError(f"request {rid!r}: its tokens do not start with the matched prefix ({len(path_tokens)} "
-                             f"tokens)")
+        prefix = list(token_ids[: node.end])
+        if any(prefix[n.segment.start: n.end] != n.tokens for n in SegmentTree.path(node)):  # node by node
+            raise ValueError(f"request {rid!r}: its tokens do not start with the matched prefix ({node.end} tokens)")
         self.tree.lock(node)
         self.prefix_hit_tokens += node.end
-        self.requests[rid] = RequestKV(rid, node, path_tokens, spare=[[] for _ in range(self.num_groups)])
+        self.requests[rid] = RequestKV(rid, node, prefix, spare=[[] for _ in range(self.num_groups)])
         return PrefixMatch(node, node.end)
 
     def lock_node(self, node: SegmentNode) -> None:
@@ -222,13 +221,19 @@ class TangramKVManager:
     def pages_needed(self, rid: Hashable, n_new: int, decode_tokens: int = 0) -> list[int]:
         """Pages per group ``reserve`` would allocate now for ``n_new`` new tokens plus decode growth."""
         req = self.requests[rid]
-        counts = segment_kept_counts(self.layout, n_new, len(req.token_ids), self.sink_tokens,
-                                     self.recent_window)
-        return self._pages_needed(req, counts, decode_tokens)
+        return self._pages_needed(req, self._kept_counts(n_new, len(req.token_ids)), decode_tokens)[0].tolist()
 
-    def _pages_needed(self, req: RequestKV, counts: Sequence[int], decode_tokens: int) -> list[int]:
-        dec = pages_for(decode_tokens, self.page_size)
-        return [pages_for(k, self.page_size) + max(0, dec - len(sp)) for k, sp in zip(counts, req.spare)]
+    def _kept_counts(self, n: int, start: int) -> np.ndarray:
+        """int64 ``[G]``: k_g of an n-token segment at ``start``."""
+        return kept_tokens_quantized(self.layout.group_budget_quantized, n, start, self.sink_tokens,
+                                     self.recent_window)
+
+    def _pages_needed(self, req: RequestKV, counts: np.ndarray, decode_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """int64 ``[G]`` (pages to allocate, of them the segment's): the segment's pages, plus decode pages beyond
+        the spare ones the request holds."""
+        seg = pages_for(counts, self.page_size)
+        spare = np.fromiter(map(len, req.spare), dtype=np.int64, count=self.num_groups)
+        return seg + np.maximum(0, pages_for(decode_tokens, self.page_size) - spare), seg
 
     def reserve(self, rid: Hashable, new_token_ids: Sequence[int], decode_tokens: int = 0) -> list[int]:
         """Allocate exactly the pages of the next segment (+ ``decode_tokens`` of decode growth).
@@ -242,40 +247,42 @@ class TangramKVManager:
         if not new_token_ids:
             raise ValueError("a segment needs at least one token")
         start = len(req.token_ids)
-        counts = segment_kept_counts(self.layout, len(new_token_ids), start, self.sink_tokens,
-                                     self.recent_window)
-        need = self._pages_needed(req, counts, decode_tokens)
-        self._ensure_free(sum(need), f"request {rid!r} (segment of {len(new_token_ids)} tokens at {start}, "
-                                     f"{decode_tokens} decode tokens)")
-        pages = self.pool.allocator.alloc(sum(need))
-        groups, at = [], 0
-        for g, (k, n_pages) in enumerate(zip(counts, need)):
-            seg_pages = pages_for(k, self.page_size)
-            groups.append(GroupSlots(pages[at: at + seg_pages]))
-            req.spare[g] += pages[at + seg_pages: at + n_pages]
-            at += n_pages
+        counts = self._kept_counts(len(new_token_ids), start)
+        need, seg_pages = self._pages_needed(req, counts, decode_tokens)
+        total = int(need.sum())
+        self._ensure_free(total, f"request {rid!r} (segment of {len(new_token_ids)} tokens at {start}, "
+                                 f"{decode_tokens} decode tokens)")
+        pages = self.pool.allocator.alloc_array(total)
+        page_list = pages.tolist()
+        ends = np.cumsum(need)  # group g's pages: [ends[g] - need[g], ends[g]), the segment's first
+        firsts = ends - need
+        seg_ends = (firsts + seg_pages).tolist()
+        groups = [GroupSlots(page_list[a:b]) for a, b in zip(firsts.tolist(), seg_ends)]
+        for g, (a, b) in enumerate(zip(seg_ends, ends.tolist())):
+            if b > a:
+                req.spare[g] += page_list[a:b]
         if req.decode is not None:  # a new prefill after decoded tokens closes the decode segment
             req.segments.append(req.decode)
             req.decode = None
-        table = self._reserved_slot_table(pages, need, counts)
+        table = self._reserved_slot_table(pages, firsts, counts)
         kmax = table.shape[1]
         dev = self.pool.device
         kept = torch.full((self.num_groups, self.layout.heads_per_group, kmax), -1, dtype=torch.int32, device=dev)
-        req.pending = PendingSegment(start, list(new_token_ids), counts, groups, set(), to_device(table, dev), kept)
+        counts_list = counts.tolist()
+        req.pending = PendingSegment(start, list(new_token_ids), counts_list, groups, set(), to_device(table, dev),
+                                     kept)
         if not req.pending.full:  # the per-layer writes' targets, prepared here: outside the forward
             self._prepare_writes(req.pending)
         req.token_ids += list(new_token_ids)
-        return counts
+        return counts_list
 
-    def _reserved_slot_table(self, pages: Sequence[int], need: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
-        """int64 [G, max(k_g, 1)]: row g holds the first k_g slots of group g's pages (zeros past them), the
-        groups' pages lying in ``pages`` one after another, ``need[g]`` each (one vectorized gather)."""
-        k = np.asarray(counts, dtype=np.int64)
-        table = np.zeros((len(k), max(int(k.max(initial=0)), 1)), dtype=np.int64)
-        first = np.cumsum(need, dtype=np.int64) - np.asarray(need, dtype=np.int64)
+    def _reserved_slot_table(self, pages: np.ndarray, firsts: np.ndarray, counts: np.ndarray) -> torch.Tensor:
+        """int64 [G, max(k_g, 1)]: row g holds the first k_g slots of group g's pages (zeros past them), group g's
+        pages starting at ``pages[firsts[g]]`` (one vectorized gather)."""
+        table = np.zeros((len(counts), max(int(counts.max(initial=0)), 1)), dtype=np.int64)
         # row-major order of the valid cells is the lists' order, end to end
-        table[np.arange(table.shape[1])[None, :] < k[:, None]] = page_list_slots(
-            np.asarray(pages, dtype=np.int64), first, k, self.page_size)
+        table[np.arange(table.shape[1])[None, :] < counts[:, None]] = page_list_slots(pages, firsts, counts,
+                                                                                      self.page_size)
         return torch.from_numpy(table)
 
     def write_segment_layer(self, rid: Hashable, layer: int, k: torch.Tensor, v: torch.Tensor,

@@ -34,13 +34,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class SegmentNode:
-    """A tree node: one segment, its children by first token, a lock count and an LRU stamp."""
+    """A tree node: one segment, its children by first token, a lock count and an LRU stamp; ``pages`` counts the
+    segment's pages (a tree node's segment changes only when the tree splits it, which recounts them)."""
 
     _ids = itertools.count()
 
     def __init__(self, segment: Segment | None, parent: SegmentNode | None, stamp: int):
         self.id = next(SegmentNode._ids)
         self.segment = segment
+        self.pages = segment.num_pages() if segment is not None else 0
         self.parent = parent
         self.children: dict[int, list[SegmentNode]] = {}
         self.lock_ref = 0
@@ -109,7 +111,7 @@ class SegmentTree:
 
     # ------------------------------------------------------------------ counters
     def _account(self, node: SegmentNode, sign: int) -> None:
-        pages, tokens = sign * node.segment.num_pages(), sign * node.segment.n
+        pages, tokens = sign * node.pages, sign * node.segment.n
         if node.lock_ref == 0:
             self.evictable_pages += pages
             self.evictable_tokens += tokens
@@ -158,7 +160,7 @@ class SegmentTree:
         head.lock_ref = node.lock_ref
         siblings = parent.children[node.tokens[0]]
         siblings[siblings.index(node)] = head
-        node.segment, node.parent = tail_seg, head
+        node.segment, node.pages, node.parent = tail_seg, tail_seg.num_pages(), head
         node.last_access = stamp
         head.children = {tail_seg.token_ids[0]: [node]}
         return head
@@ -248,7 +250,7 @@ class SegmentTree:
         pages = tokens = 0
         while (pages if unit == "pages" else tokens) < amount and heap:
             _, _, node = heapq.heappop(heap)
-            pages += node.segment.num_pages()
+            pages += node.pages
             tokens += node.segment.n
             self._delete_leaf(node)
             parent = node.parent
