@@ -547,6 +547,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--out", type=Path, default=RESULTS / "accuracy_cpu.json", help="results JSON (PNG beside it)"
     )
+    ap.add_argument("--pool", nargs="+", type=Path, metavar="JSON",
+                    help="no run: pool the turns of these result files (distinct seeds, same model and scorer) into "
+                         "--out")
     args = ap.parse_args(argv)
     if args.quick:
         args.samples, args.tasks, args.methods, args.budgets = 2, "needle", "full,uniform", "1.0"
@@ -562,12 +565,55 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+POOL_SAME = ("model_name", "scorer", "sizes", "max_new_tokens", "kv_tokens")  # what pooled runs must share
+
+
+def pool_results(paths: Sequence[Path]) -> tuple[dict, list[dict]]:
+    """(data, summary rows) of several runs' turns taken together (distinct task seeds, the same model, scorer,
+    sizes and limits): scores, CIs and turn-paired McNemar tests over every seed's conversations, so a target is
+    judged on the pooled sample rather than on whichever seed's 80 turns happen to be read."""
+    runs = [json.loads(Path(p).read_text())["data"] for p in paths]
+    for key in POOL_SAME:
+        values = {json.dumps(r[key], sort_keys=True) for r in runs}
+        if len(values) > 1:
+            raise SystemExit(f"--pool: the runs differ in {key}: {sorted(values)}")
+    records = [{**t, "conversation": f"{r['seed']}:{t['conversation']}"} for r in runs for t in r["turns"]]
+    keys = [(t["method"], t["budget"], t["task"], t["conversation"], t["turn"]) for t in records]
+    if len(set(keys)) != len(keys):
+        raise SystemExit("--pool: two runs hold the same turns of the same method (one seed pooled twice?)")
+    specs = sorted({MethodSpec(t["method"], t["budget"]) for t in records}, key=lambda s: (-s.budget, s.method))
+    tasks = sorted({t["task"] for t in records})
+    budgets = sorted({s.budget for s in specs if s.method != "full"}, reverse=True)
+    scores = summarize(records, specs, tasks)
+    data = {
+        "pooled_from": [Path(p).name for p in paths],
+        "seeds": sorted({r["seed"] for r in runs}),
+        **{key: runs[0][key] for key in ("model", *POOL_SAME)},
+        "paired": {
+            f"{x} vs {y}": pr
+            for b in budgets
+            for x, y in ((f"tangram@{b:g}", f"uniform@{b:g}"), (f"tangram@{b:g}", "full"))
+            if x in scores and y in scores and (pr := paired(records, x, y)) is not None
+        },
+        "scores": scores,
+    }
+    return data, targets(scores, budgets, runs[0]["scorer"], runs[0]["model_name"])
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     from tqdm import tqdm
 
     from tangram_sgl.models import load_model_dir, resolve_model_dir
 
     args = parse_args(argv)
+    if args.pool:
+        data, summary = pool_results(args.pool)
+        write_result(args.out.stem, data, summary, directory=args.out.parent)
+        for row in summary:
+            print(f"{row['metric']}: {row['value']} {row['unit']}  {row['target']} {row['met'] if row['target'] else ''}")
+        for name, pr in data["paired"].items():
+            print(f"{name}: {pr}")
+        return data
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model_dir = resolve_model_dir(args.model)

@@ -94,3 +94,34 @@ def test_targets_rows_compare_tangram_to_uniform_and_full():
     rows = {r["metric"].split(" (")[0].split()[-1]: r for r in acc.targets(scores, [0.5, 0.25])}
     assert rows["tangram@0.5"]["met"] is False
     assert rows["full"]["met"] is None and rows["uniform@0.5"]["met"] is None
+
+
+def test_pooled_runs_score_every_seed_and_pair_turns_within_a_seed(tmp_path):
+    """``--pool``: two seeds' turns are scored together; a turn pairs only with the same seed's same turn (the two
+    seeds reuse conversation numbers), and one seed pooled twice is refused."""
+    mod = _accuracy_module()
+
+    def turn(method, budget, conv, correct):
+        return {"method": method, "budget": budget, "task": "kv", "conversation": conv, "turn": 0, "correct": correct,
+                "error": None, "kept_fraction": budget, "pages_fraction": None}
+
+    def run(seed, rows):
+        doc = {"data": {"seed": seed, "model": "m", "model_name": "smollm2", "scorer": "snapkv", "sizes": {},
+                        "max_new_tokens": 8, "kv_tokens": 64, "turns": [turn(*r) for r in rows]}}
+        path = tmp_path / f"run{seed}.json"
+        path.write_text(json.dumps(doc))
+        return path
+
+    a = run(1000, [("full", 1.0, 0, True), ("uniform", 0.5, 0, True), ("tangram", 0.5, 0, False)])
+    b = run(2000, [("full", 1.0, 0, True), ("uniform", 0.5, 0, False), ("tangram", 0.5, 0, True),
+                   ("full", 1.0, 1, False), ("uniform", 0.5, 1, False), ("tangram", 0.5, 1, True)])
+    data, summary = mod.pool_results([a, b])
+    assert data["seeds"] == [1000, 2000]
+    assert {k: (v["all"]["n"], v["all"]["hits"]) for k, v in data["scores"].items()} == {
+        "full": (3, 2), "uniform@0.5": (3, 1), "tangram@0.5": (3, 2)}
+    assert data["paired"]["tangram@0.5 vs uniform@0.5"] == {
+        "turns": 3, "only_tangram@0.5": 2, "only_uniform@0.5": 1, "mcnemar_exact_p": 1.0}
+    met = {r["metric"].split(" (")[0]: r["met"] for r in summary}
+    assert met["retrieval accuracy tangram@0.5"] is True  # 2/3 >= 1/3 and >= 2/3 - 5 points
+    with pytest.raises(SystemExit, match="pooled twice"):
+        mod.pool_results([a, a])
