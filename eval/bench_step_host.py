@@ -117,11 +117,12 @@ def write_layers(kv: TangramKVManager, rid: str, n: int, gen: torch.Generator, d
     return timed(dev, run)[0]
 
 
-def admission_us(kv: TangramKVManager, rids: list[str], question: int, decode: int) -> dict[str, list[float]]:
+def admission_us(kv: TangramKVManager, rids: list[str], question: int, decode: int) -> dict[str, list]:
     """What the scheduler's hooks cost per request on a question turn (microseconds, one per session): each session
     finishes (its context goes into the radix tree), then a new request on its tokens plus ``question`` more is
-    matched (``match_prefix``), attached and reserved (the ``alloc_for_extend`` hook), then aborted."""
-    out: dict[str, list[float]] = {"match": [], "attach": [], "reserve": []}
+    matched (``match_prefix``), attached and reserved (the ``alloc_for_extend`` hook), then aborted; ``matched``: the
+    cached tokens each match found."""
+    out: dict[str, list[float]] = {"match": [], "attach": [], "reserve": [], "matched": []}
     for rid in rids:
         tokens = list(kv.requests[rid].token_ids)
         kv.finish(rid)
@@ -136,6 +137,7 @@ def admission_us(kv: TangramKVManager, rids: list[str], question: int, decode: i
         kv.abort(rid)
         for key, dt in zip(out, (t1 - t0, t2 - t1, t3 - t2)):
             out[key].append(dt * 1e6)
+        out["matched"].append(node.end)
     return out
 
 
@@ -255,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     summary += [summary_row(f"question turn admission, {key} (median per request, {questions[0]}-token question on a "
                             f"cached {a.context // 1024}k context, {tag})", round(med(v), 1), "us")
-                for key, v in admission.items()]
+                for key, v in admission.items() if key != "matched"]
     for row in summary:
         print(f"{row['metric']}: {row['value']} {row['unit']}")
     print("wrote", write_result(a.name, data, summary, directory=a.out))

@@ -423,3 +423,18 @@ def test_trace_steps_charge_gpu_idle_to_the_step_that_ends_it_and_list_host_wait
     assert (extend["gpu_ms"], extend["gpu_idle_ms"], extend["gaps"]) == (1.0, 0.5, 1)
     assert res["per_kind"]["EXTEND"] == {"steps": 1, "mean_host_ms": 0.3, "mean_gpu_ms": 1.0, "mean_gpu_idle_ms": 0.5}
     assert res["waits"] == {"cudaStreamSynchronize in scheduler.get_next_batch_to_run": {"count": 1, "ms": 0.6}}
+
+
+def test_bench_step_host_measures_admission_on_the_host(tmp_path):
+    """``bench_step_host --host-only`` (the CPU figures of the scheduler's per-request hooks): every session's
+    context goes into the radix tree, then a question turn on it is matched whole, attached and reserved."""
+    import bench_step_host
+
+    assert bench_step_host.main(["--host-only", "--requests", "2", "--context", "64", "--chunk", "32", "--head-dim",
+                                 "4", "--steps", "2", "--questions", "5", "--device", "cpu", "--out", str(tmp_path),
+                                 "--name", "t"]) == 0
+    data = json.loads((tmp_path / "t.json").read_text())["data"]
+    adm = data["admission_us"]
+    assert adm.pop("matched") == [64 + 2] * 2  # the whole context and both decoded tokens come from the tree
+    assert {k: len(v) for k, v in adm.items()} == {"match": 2, "attach": 2, "reserve": 2}
+    assert all(t > 0 for v in adm.values() for t in v)
