@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from bench_kernels import LLAMA_8B, TINY, Cache, Shape, build_cache, gpu_time_ms, synthetic_profile
 from results_io import summary_row, write_result
-from tangram_sgl.kernels.extend import extend_attention, extend_splits
+from tangram_sgl.kernels.extend import extend_attention, extend_splits, token_blocks
 from tqdm import tqdm
 
 DEFAULT_CONFIG = (128, 64, 8, 3)  # extend_attention's defaults: block_m, block_n, num_warps, num_stages
@@ -124,8 +124,8 @@ def run_case(shape: Shape, name: str, rows: int, n_new: int, context: int, dev: 
     default = "x".join(map(str, DEFAULT_CONFIG))
     res["ours_ms"] = times
     max_prefix = int(c.kv_indptr.diff().max())
-    bm = DEFAULT_CONFIG[0]
-    res["serving_splits"] = extend_splits(rows, shape.hkv, -(-n_new // (bm // (shape.hq // shape.hkv))), max_prefix)
+    blocks = token_blocks(n_new, DEFAULT_CONFIG[0], shape.hq // shape.hkv)
+    res["serving_splits"] = extend_splits(rows, shape.hkv, blocks, max_prefix)
 
     def serving() -> torch.Tensor:
         return extend_attention(q, k_new, v_new, qo, n_new, c.k, c.v, c.kv_indptr, c.kv_indices, c.head_group,

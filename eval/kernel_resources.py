@@ -20,19 +20,21 @@ from pathlib import Path
 import triton
 from bench_kernels import TUNE_CONFIGS
 from results_io import RESULTS, summary_row, write_result
-from tangram_sgl.kernels.decode import DECODE_CONFIG, _decode_split_kernel
-from tangram_sgl.kernels.sm90_compile import check_all, compile_case
+from tangram_sgl.kernels.decode import DECODE_CONFIG
+from tangram_sgl.kernels.sm90_compile import cases, check_all, compile_case
 
 from tangram_sgl.aot_table import DECODE_WAVE_CTAS, H200_SMS
 
 
 def decode_configs(configs: list[tuple[int, int, int]]) -> list[dict]:
-    """The decode kernel (head dim 128, Llama-3.1-8B's 4 query heads per kv head) at each (block_n, warps, stages)."""
+    """The served decode case at head dim 128 (Llama-3.1-8B's 4 query heads per kv head) at each (block_n, warps,
+    stages)."""
+    kernel, served, _, _ = cases(128, 4)[0]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for block_n, warps, stages in configs:
-            consts = {"PAGE": 16, "GQ": 4, "BLOCK_H": 16, "D": 128, "BLOCK_N": block_n, "MAX_S": 32}
-            res = compile_case(_decode_split_kernel, consts, warps, stages, f"({block_n}, {warps}, {stages})", Path(tmp))
+            res = compile_case(kernel, {**served, "BLOCK_N": block_n}, warps, stages, f"({block_n}, {warps}, {stages})",
+                               Path(tmp))
             rows.append({"config": [block_n, warps, stages], **asdict(res)})
     return rows
 

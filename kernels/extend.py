@@ -30,11 +30,16 @@ EXTEND_MIN_SPLIT_TOKENS = 256
 EXTEND_MAX_SPLITS = 32
 
 
-def extend_splits(batch: int, kv_heads: int, token_blocks: int, max_prefix: int) -> int:
-    """Prefix splits S of an extend launch: 1 when ``batch * kv_heads * token_blocks`` programs already fill the
-    GPU, else enough to reach ``EXTEND_TARGET_PROGRAMS``, capped so a chunk of the longest prefix keeps at least
-    ``EXTEND_MIN_SPLIT_TOKENS`` tokens (and at ``EXTEND_MAX_SPLITS``)."""
-    want = -(-EXTEND_TARGET_PROGRAMS // max(1, batch * kv_heads * token_blocks))
+def token_blocks(max_new_tokens: int, block_m: int, gq: int) -> int:
+    """Programs per (request, kv head) of an extend launch before prefix splits: ``block_m // gq`` new tokens each."""
+    return max(1, triton.cdiv(max_new_tokens, block_m // gq))
+
+
+def extend_splits(batch: int, kv_heads: int, blocks: int, max_prefix: int) -> int:
+    """Prefix splits S of an extend launch (``blocks``: :func:`token_blocks`): 1 when ``batch * kv_heads * blocks``
+    programs already fill the GPU, else enough to reach ``EXTEND_TARGET_PROGRAMS``, capped so a chunk of the longest
+    prefix keeps at least ``EXTEND_MIN_SPLIT_TOKENS`` tokens (and at ``EXTEND_MAX_SPLITS``)."""
+    want = -(-EXTEND_TARGET_PROGRAMS // max(1, batch * kv_heads * blocks))
     return max(1, min(want, -(-max_prefix // EXTEND_MIN_SPLIT_TOKENS), EXTEND_MAX_SPLITS))
 
 
@@ -184,8 +189,7 @@ def extend_attention(
         raise ValueError(f"kv_indptr has {kv_indptr.shape[0]} entries, not B*G+1 for B={B}")
     num_groups = (kv_indptr.shape[0] - 1) // B
     out = torch.empty_like(q)
-    toks = block_m // gq
-    blocks = max(1, triton.cdiv(max_new_tokens, toks))
+    blocks = token_blocks(max_new_tokens, block_m, gq)
     if num_splits is None:
         num_splits = 1 if max_prefix is None else extend_splits(B, hkv, blocks, max_prefix)
     if num_splits < 1:

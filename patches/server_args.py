@@ -56,6 +56,15 @@ OVERLAP_UNSUPPORTED = {
 }
 
 
+def overlap_conflict(setting: Callable[[str], Any]) -> str | None:
+    """The refusal of the first :data:`OVERLAP_UNSUPPORTED` setting that ``setting(field name)`` reports on, if any."""
+    for name, (flag, why) in OVERLAP_UNSUPPORTED.items():
+        if setting(name):
+            return (f"--kv-policy tangram with SGLang's overlap scheduler does not support {flag} ({why}); add "
+                    f"--disable-overlap-schedule")
+    return None
+
+
 class KvPolicyError(ValueError):
     """``--kv-policy tangram`` was combined with settings it cannot honour."""
 
@@ -149,10 +158,8 @@ def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
             raise KvPolicyError("--kv-policy tangram with SGLang's overlap scheduler does not support "
                                 "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP (it processes a batch's results between "
                                 "building the next batch and its metadata); add --disable-overlap-schedule")
-        for name, (flag, why) in OVERLAP_UNSUPPORTED.items():
-            if fields.get(name):
-                raise KvPolicyError(f"--kv-policy tangram with SGLang's overlap scheduler does not support {flag} "
-                                    f"({why}); add --disable-overlap-schedule")
+        if (refusal := overlap_conflict(fields.get)) is not None:
+            raise KvPolicyError(refusal)
     if prefill is None:
         logger.warning("--kv-policy tangram: prefill CUDA graphs are off unless --cuda-graph-backend-prefill "
                        "breakable; decode CUDA graphs stay on")

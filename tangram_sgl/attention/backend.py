@@ -46,7 +46,7 @@ from tangram_sgl.attention.decode_graph import DecodeGraphBuffers, GraphDecodeSt
 from tangram_sgl.attention.forward_step import AttentionContext, ForwardStep
 from tangram_sgl.attention.segment_scoring import PreRope, config_pre_rope, needs_pre_rope
 from tangram_sgl.patches.attention_backend import TangramNotServable
-from tangram_sgl.patches.server_args import OVERLAP_UNSUPPORTED, PREFILL_GRAPH_BACKENDS
+from tangram_sgl.patches.server_args import PREFILL_GRAPH_BACKENDS, overlap_conflict
 from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
 from tangram_sgl.profile import TangramProfile
 
@@ -60,11 +60,8 @@ def check_server_args(sa: Any) -> None:
         raise TangramNotServable(f"--kv-policy tangram: prefill CUDA graphs run only as breakable graphs (attention "
                                  f"eager between captured segments), not {graphs.prefill.backend!r}; pass "
                                  f"--cuda-graph-backend-prefill breakable or disabled")
-    if not sa.disable_overlap_schedule:
-        for name, (flag, why) in OVERLAP_UNSUPPORTED.items():
-            if getattr(sa, name, False):
-                raise TangramNotServable(f"--kv-policy tangram with SGLang's overlap scheduler does not support "
-                                         f"{flag} ({why}); add --disable-overlap-schedule")
+    if not sa.disable_overlap_schedule and (refusal := overlap_conflict(lambda name: getattr(sa, name, False))):
+        raise TangramNotServable(refusal)
     for name, flag in (("tp_size", "--tp"), ("pp_size", "--pp"), ("dp_size", "--dp")):
         if getattr(sa, name, 1) != 1:
             raise TangramNotServable(f"--kv-policy tangram runs on one GPU for now; {flag} {getattr(sa, name)} "
