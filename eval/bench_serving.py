@@ -40,8 +40,8 @@ from results_io import summary_row, write_result
 from server_proc import (
     TEMPLATES,
     ServerProcess,
-    decode_batches,
     gauge,
+    graph_batches,
     parse_server_spec,
     prefill_chunk_rates,
     server_args,
@@ -196,7 +196,9 @@ def run_server(spec: str, plan: list[tuple[str, int, int]], a: argparse.Namespac
     m = re.search(r"max_total_num_tokens=(\d+)", log)
     for run, (since, end) in zip(runs, spans):
         run["max_total_num_tokens"] = int(m.group(1)) if m else None
-        run["decode_batches_logged"], run["decode_batches_in_graphs"] = decode_batches(log[since:end].splitlines())
+        for kind in ("decode", "prefill"):
+            run[f"{kind}_batches_logged"], run[f"{kind}_batches_in_graphs"] = graph_batches(
+                log[since:end].splitlines(), kind.capitalize())
         run["prefill_chunk_tok_s"] = prefill_chunk_rates(log[:end], since)
         s = run.get("summary")
         if s and run["max_total_num_tokens"] and run.get("kept_fraction"):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import requests
 from results_io import summary_row, write_result
-from server_proc import TEMPLATES, ServerProcess, decode_batches, server_args
+from server_proc import TEMPLATES, ServerProcess, graph_batches, server_args
 
 QUESTIONS = ["Tell me about the history of the city and its old harbour walls.",
              "Which of those places would a visitor see first when arriving by boat?",
@@ -134,15 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     log = server.log.read_text(errors="replace").splitlines()
     results["log_tangram_lines"] = [ln for ln in log if "tangram" in ln.lower()][:80]
     results["log_cuda_graph_lines"] = [ln for ln in log if "cuda graph" in ln.lower()][:20]
-    results["decode_batches"], results["decode_batches_in_graphs"] = decode_batches(log)
+    for kind in ("decode", "prefill"):
+        results[f"{kind}_batches"], results[f"{kind}_batches_in_graphs"] = graph_batches(log, kind.capitalize())
     summary = [summary_row(f"{a.label}: server ready", results.get("ready_s", -1), "s", "starts",
                            "ready_s" in results)]
     for check, what in (("openai_chat", "OpenAI turns 2-4 hit the prefix cache"),
                         ("native_generate", "/generate turns 2-3 hit"), ("frontend_program", "frontend turns 2-3 hit")):
         hit = later_turns_hit(results.get(check, {}))
         summary.append(summary_row(f"{a.label}: {what}", float(hit), "", "all", hit))
-    summary.append(summary_row(f"{a.label}: logged decode batches run as CUDA-graph replays",
-                               results["decode_batches_in_graphs"], f"of {results['decode_batches']}", "report", None))
+    for kind in ("decode", "prefill"):
+        summary.append(summary_row(f"{a.label}: logged {kind} batches run as CUDA-graph replays",
+                                   results[f"{kind}_batches_in_graphs"], f"of {results[f'{kind}_batches']}", "report",
+                                   None))
     path = write_result(f"serve_smoke_{a.label}", results, summary, directory=a.out)
     print(path.read_text()[:6000])
     return 0 if all(r["met"] for r in summary) else 1

@@ -144,6 +144,8 @@ def test_bench_server_warms_up_then_replays_every_load_from_a_flushed_cache(tmp_
         calls.append(("replay", run["doc_tokens"], run["concurrency"], run.get("sessions"), questions))
         with (a.out / "server_bench_stock_flashinfer.log").open("a") as log:
             log.write("Decode batch, #running-req: 2, cuda graph: True\n" * run["concurrency"])
+            log.write("Prefill batch, #new-token: 23, cuda graph: True\n"
+                      "Prefill batch, #new-token: 8192, cuda graph: False\n")
         return {"summary": {"prompt_tokens": 1000, "turns_ok": 2, "output_tokens_per_s": 5.0,
                             "ttft_s": {"p50": 0.1, "p90": 0.2}}}
 
@@ -159,6 +161,7 @@ def test_bench_server_warms_up_then_replays_every_load_from_a_flushed_cache(tmp_
     runs = json.loads((tmp_path / "b.json").read_text())["data"]["runs"]
     assert [(r["context"], r["concurrency"], r["decode_batches_logged"]) for r in runs] == [
         ("short", 2, 2), ("short", 8, 8), ("mid", 3, 3)]
+    assert all((r["prefill_batches_logged"], r["prefill_batches_in_graphs"]) == (2, 1) for r in runs)
     assert all(r["max_total_num_tokens"] == 100000 and "error" not in r for r in runs)
 
 
@@ -306,15 +309,15 @@ def test_server_specs():
     assert parse_server_spec("stock:flashinfer") == ("stock_flashinfer", None, ["--attention-backend", "flashinfer"])
     assert parse_server_spec("stock-nooverlap:flashinfer") == (
         "stock_flashinfer_nooverlap", None, ["--attention-backend", "flashinfer", "--disable-overlap-schedule"])
-    assert parse_server_spec("tangram:/p/x.r1.json") == ("tangram_mixed_ov_x.r1", "/p/x.r1.json", [])
+    assert parse_server_spec("tangram:/p/x.r1.json") == ("tangram_mixed_bcg_ov_x.r1", "/p/x.r1.json", [])
     assert parse_server_spec("tangram@triton:/p/x.json") == (
-        "tangram_triton_ov_x", "/p/x.json", ["--tangram-extend-kernel", "triton"])
+        "tangram_triton_bcg_ov_x", "/p/x.json", ["--tangram-extend-kernel", "triton"])
     assert parse_server_spec("tangram@flashinfer:/p/x.json") == (
-        "tangram_flashinfer_ov_x", "/p/x.json", ["--tangram-extend-kernel", "flashinfer"])
-    assert parse_server_spec("tangram-bcg:/p/x.json") == (
-        "tangram_mixed_bcg_ov_x", "/p/x.json", ["--cuda-graph-backend-prefill", "breakable"])
-    assert parse_server_spec("tangram-nooverlap:/p/x.json") == (  # the label of runs before overlap was the default
-        "tangram_mixed_x", "/p/x.json", ["--disable-overlap-schedule"])
+        "tangram_flashinfer_bcg_ov_x", "/p/x.json", ["--tangram-extend-kernel", "flashinfer"])
+    assert parse_server_spec("tangram-eager:/p/x.json") == (  # the label of eager runs before session 18's default
+        "tangram_mixed_ov_x", "/p/x.json", ["--cuda-graph-backend-prefill", "disabled"])
+    assert parse_server_spec("tangram-nooverlap:/p/x.json") == (
+        "tangram_mixed_bcg_x", "/p/x.json", ["--disable-overlap-schedule"])
     with pytest.raises(ValueError, match="expected stock"):
         parse_server_spec("stock@flashinfer:triton")
 
@@ -331,8 +334,10 @@ def test_plot_labels_are_short():
                                       "target_ratio": 1.0}) == "tangram r1 (flashinfer)"
     assert bench_serving.short_label({"server": "tangram-bcg:/p/x.json", "label": "tangram_flashinfer_bcg_x",
                                       "target_ratio": 1.0}) == "tangram r1 (flashinfer, prefill graphs)"
-    assert bench_serving.short_label({"server": "tangram:/p/x.json", "label": "tangram_mixed_ov_x",
+    assert bench_serving.short_label({"server": "tangram-eager:/p/x.json", "label": "tangram_mixed_ov_x",
                                       "target_ratio": 1.0}) == "tangram r1 (mixed, overlap)"
+    assert bench_serving.short_label({"server": "tangram:/p/x.json", "label": "tangram_mixed_bcg_ov_x",
+                                      "target_ratio": 1.0}) == "tangram r1 (mixed, prefill graphs, overlap)"
 
 
 def test_prefill_chunk_rates_from_a_server_log():
@@ -376,10 +381,10 @@ def test_exactness_repeats_a_server_given_twice_and_splits_out_first_turns(tmp_p
     history) are counted apart from later ones."""
     import exactness
 
-    answers = {"tangram_mixed_ov_p": [[{"output_ids": [1, 2], "logprobs": [-0.1, -0.2]},
-                                       {"output_ids": [3, 4], "logprobs": [-0.3, -0.4]}]],
-               "tangram_mixed_p": [[{"output_ids": [1, 2], "logprobs": [-0.1, -0.25]},
-                                    {"output_ids": [3, 5], "logprobs": [-0.3, -0.4]}]]}
+    answers = {"tangram_mixed_bcg_ov_p": [[{"output_ids": [1, 2], "logprobs": [-0.1, -0.2]},
+                                           {"output_ids": [3, 4], "logprobs": [-0.3, -0.4]}]],
+               "tangram_mixed_bcg_p": [[{"output_ids": [1, 2], "logprobs": [-0.1, -0.25]},
+                                        {"output_ids": [3, 5], "logprobs": [-0.3, -0.4]}]]}
     served = []
 
     class Server(FakeServer):
@@ -389,13 +394,13 @@ def test_exactness_repeats_a_server_given_twice_and_splits_out_first_turns(tmp_p
 
     monkeypatch.setattr(exactness, "ServerProcess", Server)
     monkeypatch.setattr(exactness, "collect", lambda url, tok, convs, n: answers[
-        "tangram_mixed_ov_p" if served[-1] else "tangram_mixed_p"])
+        "tangram_mixed_bcg_ov_p" if served[-1] else "tangram_mixed_bcg_p"])
     monkeypatch.setitem(sys.modules, "transformers", type("T", (), {"AutoTokenizer": type(
         "A", (), {"from_pretrained": staticmethod(lambda path: None)})}))
     exactness.main(["--model-path", "m", "--out", str(tmp_path), "--name", "e", "--runs", "tangram:p.json",
                     "tangram:p.json", "tangram-nooverlap:p.json"])
     doc = json.loads((tmp_path / "e.json").read_text())
-    restart, plain = (doc["data"]["comparisons"][k] for k in ("tangram_mixed_ov_p_restart", "tangram_mixed_p"))
+    restart, plain = (doc["data"]["comparisons"][k] for k in ("tangram_mixed_bcg_ov_p_restart", "tangram_mixed_bcg_p"))
     assert restart["identical_turns"] == 2 and restart["max_logprob_diff_on_agreeing_prefix"] == 0
     assert (plain["identical_turns"], plain["identical_first_turns"]) == (1, 1)
     assert plain["max_logprob_diff_first_turns"] == pytest.approx(0.05)

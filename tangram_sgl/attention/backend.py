@@ -15,7 +15,7 @@ Decode CUDA graphs (SGLang's decode graph runner, any bucket list): :meth:`init_
 ids), and :meth:`init_forward_metadata_out_graph` copies it into the static buffers. A batch the graph
 cannot take runs eagerly on the same prepared step.
 
-Prefill CUDA graphs, breakable only (``--cuda-graph-backend-prefill breakable``, opt-in): SGLang captures the
+Prefill CUDA graphs, breakable only (SGLang's default on CUDA, kept by the server-args hook): SGLang captures the
 transformer body as graph segments split at every attention call, which runs eagerly at replay. So an extend
 step's metadata is the eager one (SGLang calls :meth:`init_forward_metadata` with the live batch before each
 replay) and each layer's attention is the eager :meth:`ForwardStep.attend` on the real tokens. SGLang's capture
