@@ -1,4 +1,6 @@
-"""Regenerate the README's results table from the ``summary`` rows of eval/results/*.json."""
+"""Regenerate the README's tables from the ``summary`` rows of eval/results/*.json: every row of every result, and the
+issues' targets at a glance (:data:`HEADLINES`: each target read from the newest result of the configuration served
+by default; a metric that is missing from its result fails loudly)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,52 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
+HEAD_START, HEAD_END = "<!-- targets-table:start -->", "<!-- targets-table:end -->"
+R1 = "tangram_mixed_ov_llama-3.1-8b.uniform.r1.0"
+QWEN_R05 = "tangram_flashinfer_qwen2.5-coder-0.5b-instruct.snapkv-p31.r0.5"
+QWEN_R025 = "tangram_flashinfer_qwen2.5-coder-0.5b-instruct.snapkv-p31.r0.25"
+# (issue, target, [(result name, summary metric), ...] whose values are shown together)
+LONG, GRID, KERNELS, SHORT_KERNELS = "bench_serving_long", "bench_serving_grid", "bench_kernels_merge1", "bench_kernels_short"
+HEADLINES = (
+    (5, "long class (48k documents), budget 0.25: output tok/s >= 3.0x stock",
+     [(LONG, "tangram_llama-3.1-8b.synthetic.r0.25 long: throughput vs stock_flashinfer")]),
+    (5, "long class, budget 0.25: sessions in the same KV memory >= 3.5x stock",
+     [(LONG, ("tangram_llama-3.1-8b.synthetic.r0.25 long: sessions the KV pool holds vs stock_flashinfer (pool "
+             "tokens / measured kept fraction per session)"))]),
+    (5, "budget 1.0 >= 0.95x stock: long class", [(LONG, ("tangram_mixed_llama-3.1-8b.uniform.r1.0 long: throughput vs "
+                                                        "stock_flashinfer"))]),
+    (5, "budget 1.0 >= 0.95x stock: mid class (16k documents, 64 sessions)",
+     [(GRID, "tangram_flashinfer_llama-3.1-8b.uniform.r1.0 mid: throughput vs stock_flashinfer")]),
+    (5, "budget 1.0 >= 0.95x stock: short class (4k documents) at 8 / 32 / 128 sessions",
+     [(GRID, f"{R1} short x{n}: throughput vs stock_flashinfer") for n in (8, 32, 128)]),
+    (5, "accuracy, SmolLM2-135M (CPU path), tangram@0.5 / @0.25: >= uniform, @0.5 within 5 points of full",
+     [("accuracy_cpu_seed2000_p31", "retrieval accuracy tangram@0.5 [snapkv:pool_kernel=31] (n=80, KV kept 0.607)"),
+      ("accuracy_cpu_seed2000_p31", "retrieval accuracy tangram@0.25 [snapkv:pool_kernel=31] (n=80, KV kept 0.370)")]),
+    (5, "accuracy, Qwen2.5-Coder-0.5B (CPU path, 3 seeds pooled): the same",
+     [("accuracy_cpu_qwen_ea_pooled", ("retrieval accuracy tangram@0.5 [expected_attention] on "
+                                      "Qwen2.5-Coder-0.5B-Instruct (n=240, KV kept 0.617)")),
+      ("accuracy_cpu_qwen_ea_pooled", ("retrieval accuracy tangram@0.25 [expected_attention] on "
+                                      "Qwen2.5-Coder-0.5B-Instruct (n=160, KV kept 0.373)"))]),
+    (5, "accuracy, GPU server / CPU path on the same turns (Qwen, snapkv r0.5, then r0.25)",
+     [("accuracy_server_qwen", f"{QWEN_R05}: answers containing the expected text"),
+      ("accuracy_server_qwen", f"{QWEN_R05}: CPU reference tangram@0.5 on the same turns"),
+      ("accuracy_server_qwen", f"{QWEN_R025}: answers containing the expected text"),
+      ("accuracy_server_qwen", f"{QWEN_R025}: CPU reference tangram@0.25 on the same turns")]),
+    (8, "decode, batch 32 x 32k, mean budget 0.25 (the anchor): <= 0.26 ms a layer",
+     [(KERNELS, "decode ms/layer, B32 x 32k, mean budget 0.25 (Triton, AOT splits)")]),
+    (8, "the anchor: >= 2.7x FlashInfer plan()+run / >= 3.6x uncompressed FlashInfer",
+     [(KERNELS, "speed-up vs FlashInfer plan()+run, same cache (anchor)"),
+      (KERNELS, "speed-up vs FlashInfer uncompressed decode (anchor)")]),
+    (8, "decode >= 85 % of the 4.8 TB/s roofline at batch >= 16, worst case: 32k-64k grid / 4k",
+     [(KERNELS, "worst roofline share at batch >= 16 (all budgets)"),
+      (SHORT_KERNELS, "worst roofline share at batch >= 16 (4 cases: batch 32/128, context 4k, budget 0.25/1)")]),
+    (8, "budget 1.0 within 10 % of FlashInfer's uncompressed decode, worst case: 32k-64k grid / 4k",
+     [(KERNELS, "budget 1.0: worst Triton time / FlashInfer uncompressed"),
+      (SHORT_KERNELS, ("budget 1.0: worst Triton time / FlashInfer uncompressed (3 cases: batch 8/32/128, context 4k, "
+                      "budget 1)"))]),
+    (8, "host time planning a decode step: 0", [(KERNELS, "host planning per decode step (ours)")]),
+    (3, "page fragmentation <= 10 % of kept", [("pool_memory", "page fragmentation, worst conversation shape")]),
+)
 
 
 def _fmt(v) -> str:
@@ -31,12 +79,44 @@ def table() -> str:
     return "\n".join(lines)
 
 
+def headline_table() -> str:
+    """One line per :data:`HEADLINES` entry: its metrics' values from their result files, and met when every one
+    with a target is met (``—`` when none has one); a missing result or metric raises ``KeyError``."""
+    lines = ["| issue | target | measured | met | result | device | date |", "|---|---|---|---|---|---|---|"]
+    docs: dict[str, dict] = {}
+    for issue, target, sources in HEADLINES:
+        found = []
+        for name, metric in sources:
+            if name not in docs:
+                docs[name] = json.loads((ROOT / "eval" / "results" / f"{name}.json").read_text())
+            rows = {row["metric"]: row for row in docs[name].get("summary", [])}
+            if metric not in rows:
+                raise KeyError(f"{name}.json has no summary metric {metric!r} (HEADLINES in eval/report.py)")
+            found.append(rows[metric])
+        mets = [row.get("met") for row in found if row.get("met") is not None]
+        met = "—" if not mets else "yes" if all(mets) else "**no**"
+        value = " / ".join(_fmt(round(row["value"], 3) if isinstance(row["value"], float) else row["value"])
+                           for row in found)
+        names = list(dict.fromkeys(name for name, _ in sources))
+        devices = dict.fromkeys(docs[n].get("device") or docs[n].get("versions", {}).get("gpu", "") for n in names)
+        lines.append(f"| {issue} | {target} | {value} {found[0].get('unit', '')} | {met} | "
+                     f"{', '.join(f'[{n}](eval/results/{n}.json)' for n in names)} | {', '.join(devices)} | "
+                     f"{max(docs[n].get('date', '')[:10] for n in names)} |")
+    return "\n".join(lines)
+
+
+def _fill(text: str, start: str, end: str, body: str) -> str:
+    if start not in text or end not in text:
+        raise ValueError(f"README.md lacks the {start} ... {end} markers")
+    return re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: f"{start}\n{body}\n{end}", text,
+                  flags=re.DOTALL)
+
+
 def main() -> None:
     readme = ROOT / "README.md"
-    text = readme.read_text()
-    new = re.sub(re.escape(START) + ".*?" + re.escape(END), f"{START}\n{table()}\n{END}", text, flags=re.DOTALL)
-    readme.write_text(new)
-    print(table())
+    text = _fill(readme.read_text(), HEAD_START, HEAD_END, headline_table())
+    readme.write_text(_fill(text, START, END, table()))
+    print(headline_table())
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The GPU eval scripts' host-side logic, testable without a GPU: attaching to and stopping a server process
 left running by an earlier command, the soak's log figures, merging one-server bench results, the scheduler's
-py-spy profile summary."""
+py-spy profile summary, the README's generated tables."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ sys.path.insert(0, str(EVAL))
 
 import accuracy_server
 import bench_serving
+import report
 import scheduler_profile
 import soak
 import trace_steps
@@ -443,3 +444,16 @@ def test_bench_step_host_measures_admission_on_the_host(tmp_path):
     assert adm.pop("matched") == [64 + 2] * 2  # the whole context and both decoded tokens come from the tree
     assert {k: len(v) for k, v in adm.items()} == {"match": 2, "attach": 2, "reserve": 2}
     assert all(t > 0 for v in adm.values() for t in v)
+
+
+def test_readme_tables_are_generated_from_the_committed_results(monkeypatch):
+    """The README's two tables are what ``eval/report.py`` makes of eval/results/*.json now (a result added or changed
+    without rerunning it fails here), and a headline whose metric is gone from its result fails loudly."""
+    readme = (report.ROOT / "README.md").read_text()
+    for start, end, body in ((report.HEAD_START, report.HEAD_END, report.headline_table()),
+                             (report.START, report.END, report.table())):
+        assert readme[readme.index(start) + len(start):readme.index(end)].strip() == body
+    assert "| 5 | budget 1.0 >= 0.95x stock: short class" in readme  # one open target, as measured
+    monkeypatch.setattr(report, "HEADLINES", ((5, "t", [("bench_serving_long", "no such metric")]),))
+    with pytest.raises(KeyError, match="bench_serving_long.json has no summary metric 'no such metric'"):
+        report.headline_table()
