@@ -589,6 +589,8 @@ def pool_results(paths: Sequence[Path]) -> tuple[dict, list[dict]]:
         "pooled_from": [Path(p).name for p in paths],
         "seeds": sorted({r["seed"] for r in runs}),
         **{key: runs[0][key] for key in ("model", *POOL_SAME)},
+        "budgets": budgets,
+        "tasks": tasks,
         "paired": {
             f"{x} vs {y}": pr
             for b in budgets
@@ -609,6 +611,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.pool:
         data, summary = pool_results(args.pool)
         write_result(args.out.stem, data, summary, directory=args.out.parent)
+        plot(data["scores"], data["budgets"], data["tasks"], args.out.with_suffix(".png"),
+             f"{data['model'].split(' (')[0]}, seeds {', '.join(map(str, data['seeds']))} pooled, {data['scorer']}: "
+             f"accuracy vs mean budget")
         for row in summary:
             print(f"{row['metric']}: {row['value']} {row['unit']}  {row['target']} {row['met'] if row['target'] else ''}")
         for name, pr in data["paired"].items():

@@ -98,7 +98,8 @@ def test_targets_rows_compare_tangram_to_uniform_and_full():
 
 def test_pooled_runs_score_every_seed_and_pair_turns_within_a_seed(tmp_path):
     """``--pool``: two seeds' turns are scored together; a turn pairs only with the same seed's same turn (the two
-    seeds reuse conversation numbers), and one seed pooled twice is refused."""
+    seeds reuse conversation numbers), one seed pooled twice is refused, and the command writes the pooled result
+    with its figure."""
     mod = _accuracy_module()
 
     def turn(method, budget, conv, correct):
@@ -123,5 +124,9 @@ def test_pooled_runs_score_every_seed_and_pair_turns_within_a_seed(tmp_path):
         "turns": 3, "only_tangram@0.5": 2, "only_uniform@0.5": 1, "mcnemar_exact_p": 1.0}
     met = {r["metric"].split(" (")[0]: r["met"] for r in summary}
     assert met["retrieval accuracy tangram@0.5"] is True  # 2/3 >= 1/3 and >= 2/3 - 5 points
+    assert (data["budgets"], data["tasks"]) == ([0.5], ["kv"])
     with pytest.raises(SystemExit, match="pooled twice"):
         mod.pool_results([a, a])
+    out = tmp_path / "pooled.json"  # the command: the result and its accuracy-vs-budget figure
+    assert mod.main(["--pool", str(a), str(b), "--out", str(out)])["seeds"] == [1000, 2000]
+    assert json.loads(out.read_text())["summary"] == summary and out.with_suffix(".png").stat().st_size > 0
