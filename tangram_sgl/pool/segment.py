@@ -140,10 +140,6 @@ class Segment:
     def num_pages(self) -> int:
         return sum(len(gs.pages) for gs in self.groups)
 
-    def kept_count(self, group: int) -> int:
-        """k_g: slots in use in ``group``."""
-        return self.groups[group].length
-
     def kept_on_host(self) -> list[torch.Tensor] | None:
         """``kept`` once its device-to-host copy (made at commit without waiting) has landed."""
         if self.kept_ready is not None:
