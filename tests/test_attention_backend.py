@@ -35,7 +35,8 @@ from tangram_sgl.attention.backend import TangramAttnBackend
 from tangram_sgl.attention.forward_step import AttentionContext, StepError, StepRow, layout_flashinfer_extend
 from tangram_sgl.budget import kept_tokens
 from tangram_sgl.pool.invariants import check_invariants
-from tangram_sgl.pool.kv_manager import UNRESOLVED, TangramKVManager
+from tangram_sgl.pool.kv_manager import TangramKVManager
+from tangram_sgl.pool.request_kv import UNRESOLVED
 from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
 from tangram_sgl.profile import ModelIdentity, TangramProfile
 from tangram_sgl.profile_builder import build_profile, uniform_profile

@@ -150,7 +150,7 @@ def test_decoded_ids_opened_unresolved_are_resolved_before_the_tree_keys_them():
     """A server step opens decode slots without the ids (``UNRESOLVED``): publishing them is refused until
     ``resolve_tokens`` gives them (from an offset, partially), a disagreeing id raises, and the finished tree
     holds the real ids (a later request matches them)."""
-    from tangram_sgl.pool.kv_manager import UNRESOLVED
+    from tangram_sgl.pool.request_kv import UNRESOLVED
 
     mgr = toy_manager(num_pages=64)
     prompt = list(range(1, 20))

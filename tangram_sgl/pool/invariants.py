@@ -18,7 +18,8 @@ from itertools import pairwise
 import torch
 
 from tangram_sgl.budget import pages_for
-from tangram_sgl.pool.kv_manager import UNRESOLVED, TangramKVManager
+from tangram_sgl.pool.kv_manager import TangramKVManager
+from tangram_sgl.pool.request_kv import UNRESOLVED
 from tangram_sgl.pool.reservation import segment_kept_counts
 from tangram_sgl.pool.segment import Segment
 from tangram_sgl.radix.tree import SegmentTree

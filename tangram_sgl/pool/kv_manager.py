@@ -14,77 +14,23 @@ a chunk boundary. ``slot_lists`` gives attention kernels the per-(request, group
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 import torch
 
 from tangram_sgl.budget import kept_tokens_quantized, pages_for
-from tangram_sgl.kernels.pieces import piece_positions
 from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.pool.device_copy import to_device, to_host
 from tangram_sgl.pool.device_slot_lists import DeviceSlotLists
 from tangram_sgl.pool.group_page_pool import GroupPagePool
+from tangram_sgl.pool.request_kv import UNRESOLVED, PrefixMatch, RequestKV
 from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, SegmentWrites
-from tangram_sgl.pool.segment import GroupSlots, Segment, page_list_slots, slot_tables
+from tangram_sgl.pool.segment import GroupSlots, Segment, csr_slot_lists, page_list_slots
 from tangram_sgl.pool.step_writes import CompressedWrites, FullSegmentWrites
 from tangram_sgl.profile import TangramProfile
 from tangram_sgl.radix.tree import SegmentNode, SegmentTree
 from tangram_sgl.selection import protected_mask, select_kept_padded
-
-UNRESOLVED = -1  # token id of a decoded token whose id is not known yet (open_decode_slots without ids)
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """A cached prefix: the deepest matched node and the number of tokens its path covers."""
-
-    node: SegmentNode
-    length: int
-
-    def segments(self) -> list[Segment]:
-        return [n.segment for n in SegmentTree.path(self.node)]
-
-
-@dataclass
-class RequestKV:
-    """Everything one running request holds: a locked tree prefix plus its own pages."""
-
-    rid: Hashable
-    node: SegmentNode
-    token_ids: list[int]
-    segments: list[Segment] = field(default_factory=list)
-    pending: PendingSegment | None = None
-    decode: Segment | None = None
-    spare: list[list[int]] = field(default_factory=list)  # reserved decode pages per group, not yet used
-    version: int = 0  # bumped whenever the slot lists change other than by appending decoded tokens
-    decode_page_row: np.ndarray | None = None  # int64 [G]: the decode segment's current page per group, x page size
-    unresolved_from: int | None = None  # first decoded position whose token id is not known yet (UNRESOLVED)
-
-    @property
-    def prefix_len(self) -> int:
-        return self.node.end
-
-    @property
-    def decoded_tokens(self) -> int:
-        """Tokens in the open decode segment (every group keeps each of them)."""
-        return self.decode.n if self.decode is not None else 0
-
-    def group_page_lists(self) -> Iterable[tuple[int, list[int]]]:
-        """(group, pages) of every page list the request owns: its segments, the segment being written,
-        its decoded tokens and its reserved decode pages (in that order)."""
-        for seg in self.segments:
-            yield from enumerate(gs.pages for gs in seg.groups)
-        if self.pending is not None:
-            yield from enumerate(gs.pages for gs in self.pending.groups)
-        if self.decode is not None:
-            yield from enumerate(gs.pages for gs in self.decode.groups)
-        yield from enumerate(self.spare)
-
-    def owned_pages(self) -> Iterable[int]:
-        for _, pages in self.group_page_lists():
-            yield from pages
 
 
 class TangramKVManager:
@@ -518,41 +464,9 @@ class TangramKVManager:
     def slot_lists(self, rids: Sequence[Hashable],
                    device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """CSR ``(kv_indptr [R*G+1] on the host, kv_indices on device)`` int32: slots of (request r, group g)
-        at ``kv_indices[kv_indptr[r*G+g]:kv_indptr[r*G+g+1]]`` (the :meth:`request_lists`).
-
-        Built from each segment's cached all-groups slot table on ``device`` (:func:`slot_tables`): the host
-        handles O(requests x segments) objects and numpy arrays of (request, group, segment) pieces; one gather on
-        the device puts the pieces in CSR order (no host copy of whole lists, no per-(group, segment) calls).
-        """
-        G = self.num_groups
-        segs = [self.request_segments(rid) for rid in rids]
-        flat = slot_tables([s for row in segs for s in row], self.page_size, device)  # (request, segment) order
-        indptr = torch.zeros(len(rids) * G + 1, dtype=torch.int32)
-        if not flat:
-            return indptr, torch.empty(0, dtype=torch.int32, device=device)
-        # pieces (request, group, segment), from [S, G] arrays of all the step's segments in (request, segment) order
-        nseg = np.fromiter((len(row) for row in segs), dtype=np.int64, count=len(segs))
-        first = np.cumsum(nseg) - nseg  # each request's first segment
-        row = np.repeat(np.arange(len(rids)), nseg)
-        lens = np.stack([t.lengths for t in flat])  # [S, G]
-        seg_base = np.cumsum([0] + [t.slots.numel() for t in flat])[:-1]
-        srcs = np.stack([t.offsets for t in flat]) + seg_base[:, None]
-        place = (first[row] * G)[:, None] + np.arange(G)[None, :] * nseg[row][:, None] + \
-            (np.arange(len(flat)) - first[row])[:, None]  # [S, G]: the piece's rank in (request, group, segment)
-        piece_len, piece_src = np.empty(lens.size, dtype=np.int64), np.empty(lens.size, dtype=np.int64)
-        piece_len[place.reshape(-1)], piece_src[place.reshape(-1)] = lens.reshape(-1), srcs.reshape(-1)
-        group_lens = np.zeros((len(rids), G), dtype=np.int64)
-        np.add.at(group_lens, row, lens)
-        indptr[1:] = torch.from_numpy(np.cumsum(group_lens.reshape(-1)))
-        total = int(indptr[-1])
-        if total == 0:
-            return indptr, torch.empty(0, dtype=torch.int32, device=device)
-        keep = piece_len > 0
-        piece_len, piece_src = piece_len[keep], piece_src[keep]
-        piece_dst = np.cumsum(piece_len) - piece_len  # pieces are already in output order
-        slots = torch.cat([t.slots for t in flat])
-        meta = to_device(torch.from_numpy(np.stack([piece_src - piece_dst, piece_len])), slots.device)
-        return indptr, slots[piece_positions(meta[0], meta[1], total)]  # shift: source - destination
+        at ``kv_indices[kv_indptr[r*G+g]:kv_indptr[r*G+g+1]]`` (the :meth:`request_lists`), built by
+        :func:`~tangram_sgl.pool.segment.csr_slot_lists` from the requests' cached segment slot tables."""
+        return csr_slot_lists([self.request_segments(rid) for rid in rids], self.num_groups, self.page_size, device)
 
     def _decode_room(self, req: RequestKV) -> list[int]:
         """Per group: the decode slots already reserved for ``req`` (spare pages, rest of its decode page),

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tangram_sgl.kernels.pieces import piece_positions
 from tangram_sgl.pool.device_copy import to_device
 
 
@@ -184,3 +185,42 @@ class Segment:
         for mine, theirs in zip(self.groups, other.groups):
             mine.pages = mine.pages + theirs.pages
             mine.length += theirs.length
+
+
+def csr_slot_lists(owners: Sequence[Sequence[Segment]], num_groups: int, page_size: int,
+                   device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR ``(indptr [R*G+1] on the host, indices on device)`` int32 of several owners' lists: (owner r, group g)
+    is the concatenation of group g's lists of ``owners[r]``'s segments, in order.
+
+    Built from each segment's cached all-groups slot table on ``device`` (:func:`slot_tables`): the host handles
+    O(owners x segments) objects and numpy arrays of (owner, group, segment) pieces; one gather on the device puts
+    the pieces in CSR order (no host copy of whole lists, no per-(group, segment) calls).
+    """
+    G = num_groups
+    flat = slot_tables([s for row in owners for s in row], page_size, device)  # (owner, segment) order
+    indptr = torch.zeros(len(owners) * G + 1, dtype=torch.int32)
+    if not flat:
+        return indptr, torch.empty(0, dtype=torch.int32, device=device)
+    # pieces (owner, group, segment), from [S, G] arrays of all the segments in (owner, segment) order
+    nseg = np.fromiter((len(row) for row in owners), dtype=np.int64, count=len(owners))
+    first = np.cumsum(nseg) - nseg  # each owner's first segment
+    row = np.repeat(np.arange(len(owners)), nseg)
+    lens = np.stack([t.lengths for t in flat])  # [S, G]
+    seg_base = np.cumsum([0] + [t.slots.numel() for t in flat])[:-1]
+    srcs = np.stack([t.offsets for t in flat]) + seg_base[:, None]
+    place = (first[row] * G)[:, None] + np.arange(G)[None, :] * nseg[row][:, None] + \
+        (np.arange(len(flat)) - first[row])[:, None]  # [S, G]: the piece's rank in (owner, group, segment)
+    piece_len, piece_src = np.empty(lens.size, dtype=np.int64), np.empty(lens.size, dtype=np.int64)
+    piece_len[place.reshape(-1)], piece_src[place.reshape(-1)] = lens.reshape(-1), srcs.reshape(-1)
+    group_lens = np.zeros((len(owners), G), dtype=np.int64)
+    np.add.at(group_lens, row, lens)
+    indptr[1:] = torch.from_numpy(np.cumsum(group_lens.reshape(-1)))
+    total = int(indptr[-1])
+    if total == 0:
+        return indptr, torch.empty(0, dtype=torch.int32, device=device)
+    keep = piece_len > 0
+    piece_len, piece_src = piece_len[keep], piece_src[keep]
+    piece_dst = np.cumsum(piece_len) - piece_len  # pieces are already in output order
+    slots = torch.cat([t.slots for t in flat])
+    meta = to_device(torch.from_numpy(np.stack([piece_src - piece_dst, piece_len])), slots.device)
+    return indptr, slots[piece_positions(meta[0], meta[1], total)]  # shift: source - destination
