@@ -33,11 +33,10 @@ from pathlib import Path
 import torch
 from bench_kernels import LLAMA_8B, TINY, Cache, Shape, build_cache, gpu_time_ms, synthetic_profile
 from results_io import summary_row, write_result
-from tangram_sgl.kernels.extend import extend_attention, extend_splits, token_blocks
+from tangram_sgl.kernels.extend import EXTEND_CONFIG, extend_attention, extend_splits, token_blocks
 from tqdm import tqdm
 
-DEFAULT_CONFIG = (128, 64, 8, 3)  # extend_attention's defaults: block_m, block_n, num_warps, num_stages
-CONFIGS = (DEFAULT_CONFIG, (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (64, 32, 4, 3), (128, 128, 8, 2))
+CONFIGS = (EXTEND_CONFIG, (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (64, 32, 4, 3), (128, 128, 8, 2))
 CASES = {"chunk_0": (1, 8192, 0), "chunk_16k": (1, 8192, 16384), "chunk_40k": (1, 8192, 40960),
          "questions": (16, 64, 32768), "question_4k": (1, 32, 4096), "questions_4k": (8, 32, 4096)}
 TINY_CASES = {"chunk_0": (1, 64, 0), "chunk_96": (1, 64, 96), "questions": (3, 5, 80)}
@@ -121,10 +120,10 @@ def run_case(shape: Shape, name: str, rows: int, n_new: int, context: int, dev: 
             outs[key] = ours().float()
         except Exception as e:  # noqa: BLE001 (a configuration that does not compile or fit is recorded)
             res.setdefault("config_errors", {})[key] = f"{type(e).__name__}: {e}"[:300]
-    default = "x".join(map(str, DEFAULT_CONFIG))
+    default = "x".join(map(str, EXTEND_CONFIG))
     res["ours_ms"] = times
     max_prefix = int(c.kv_indptr.diff().max())
-    blocks = token_blocks(n_new, DEFAULT_CONFIG[0], shape.hq // shape.hkv)
+    blocks = token_blocks(n_new, EXTEND_CONFIG[0], shape.hq // shape.hkv)
     res["serving_splits"] = extend_splits(rows, shape.hkv, blocks, max_prefix)
 
     def serving() -> torch.Tensor:
@@ -152,7 +151,7 @@ def summary(results: list[dict]) -> list[dict]:
     rows = []
     for r in results:
         case = f"{r['case']} ({r['rows']} x {r['n_new']} new after {r['context']})"
-        default, best = "x".join(map(str, DEFAULT_CONFIG)), r["best_config"]
+        default, best = "x".join(map(str, EXTEND_CONFIG)), r["best_config"]
         rows.append(summary_row(f"extend {case}: Triton, default config", round(r["ours_ms"][default], 3), "ms"))
         rows.append(summary_row(f"extend {case}: Triton, best config {best}", round(r["ours_ms"][best], 3), "ms"))
         rows.append(summary_row(f"extend {case}: Triton as served (default config, {r['serving_splits']} prefix "

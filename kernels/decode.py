@@ -128,6 +128,7 @@ def _decode_merge_kernel(
 # kernel of 2026-12-02, anchor + a budget-1.0 shape: 0.48 ms, where (64, 4, 2) took 1.16 ms); benchmarks and serving
 # both run it
 DECODE_CONFIG = (128, 4, 2)
+H200_SMS = 132  # streaming multiprocessors of the GPU the launch shapes are sized for
 
 
 def launch_order(head_budget: Sequence[float]) -> list[int]:

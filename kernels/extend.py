@@ -22,12 +22,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from tangram_sgl.kernels.decode import gather_head_kv
+from tangram_sgl.kernels.decode import H200_SMS, gather_head_kv
 
-# split-KV of question-sized extends: enough programs for the H200's 132 SMs, chunks of at least 256 prefix tokens
-EXTEND_TARGET_PROGRAMS = 2 * 132
+# split-KV of question-sized extends: enough programs for the H200's SMs, chunks of at least 256 prefix tokens
+EXTEND_TARGET_PROGRAMS = 2 * H200_SMS
 EXTEND_MIN_SPLIT_TOKENS = 256
 EXTEND_MAX_SPLITS = 32
+# (block_m, block_n, num_warps, num_stages): the fastest of six on the H200 for question turns and compressed chunks,
+# 1.1-1.3x the former 64 x 64 x 4 x 2 (eval/results/bench_extend.json); serving and the benchmarks run it
+EXTEND_CONFIG = (128, 64, 8, 3)
 
 
 def token_blocks(max_new_tokens: int, block_m: int, gq: int) -> int:
@@ -161,15 +164,13 @@ def extend_attention(
     sm_scale: float,
     max_prefix: int | None = None,
     num_splits: int | None = None,
-    block_m: int = 128,
-    block_n: int = 64,
-    num_warps: int = 8,
-    num_stages: int = 3,
+    block_m: int = EXTEND_CONFIG[0],
+    block_n: int = EXTEND_CONFIG[1],
+    num_warps: int = EXTEND_CONFIG[2],
+    num_stages: int = EXTEND_CONFIG[3],
 ) -> torch.Tensor:
-    """Attention of the new tokens of one layer; returns ``[total_new, Hq, D]`` like ``q``.
-
-    The default block config (128 x 64, 8 warps, 3 stages) was the fastest of six on the H200 for question
-    turns and compressed chunks, 1.1-1.3x the former 64 x 64 x 4 x 2 (``eval/results/bench_extend.json``).
+    """Attention of the new tokens of one layer; returns ``[total_new, Hq, D]`` like ``q`` (block config:
+    :data:`EXTEND_CONFIG` by default).
 
     q: [total_new, Hq, D]; k_new, v_new: [total_new, Hkv, D] (staging, full KV of the new tokens);
     qo_indptr: int32 [B + 1]; max_new_tokens: a host bound on the per-request new-token count (sets the

@@ -85,12 +85,15 @@ def cases(d: int, gq: int) -> list[tuple]:
     """(kernel, constexprs, num_warps, num_stages) as launched for head dim ``d`` and ``gq`` query heads per kv head."""
     block_h = max(16, triton.next_power_of_2(gq))
     block_n, warps, stages = decode.DECODE_CONFIG
+    ext_m, ext_n, ext_warps, ext_stages = extend.EXTEND_CONFIG
     return [
         (decode._decode_split_kernel, {"PAGE": 16, "GQ": gq, "BLOCK_H": block_h, "D": d, "BLOCK_N": block_n,
                                        "MAX_S": 32}, warps, stages),
         (decode._decode_merge_kernel, {"GQ": gq, "D": d, "MAX_S": 32, "BLOCK_S": 32}, 4, 3),
-        (extend._extend_kernel, {"PAGE": 16, "GQ": gq, "D": d, "BLOCK_M": 128, "BLOCK_N": 64, "SPLIT": False}, 8, 3),
-        (extend._extend_kernel, {"PAGE": 16, "GQ": gq, "D": d, "BLOCK_M": 128, "BLOCK_N": 64, "SPLIT": True}, 8, 3),
+        (extend._extend_kernel, {"PAGE": 16, "GQ": gq, "D": d, "BLOCK_M": ext_m, "BLOCK_N": ext_n, "SPLIT": False},
+         ext_warps, ext_stages),
+        (extend._extend_kernel, {"PAGE": 16, "GQ": gq, "D": d, "BLOCK_M": ext_m, "BLOCK_N": ext_n, "SPLIT": True},
+         ext_warps, ext_stages),
         (extend._extend_merge_kernel, {"D": d, "BLOCK_S": 32}, 4, 3),
         (scoring._window_lse_kernel, {"GQ": gq, "D": d, "BLOCK_W": 32, "BLOCK_N": 64}, 4, 3),
         (scoring._window_scores_kernel, {"GQ": gq, "D": d, "BLOCK_W": 32, "BLOCK_N": 64}, 4, 3),

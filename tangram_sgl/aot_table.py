@@ -36,10 +36,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tangram_sgl.kernels.decode import H200_SMS
 from tangram_sgl.profile import AotSplitTable, HeadGroup
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
-H200_SMS = 132
 TARGET_CANDIDATES = tuple(k * H200_SMS for k in (2, 4, 6, 8, 12, 16))
 DECODE_WAVE_CTAS = 3 * H200_SMS
 PER_PROGRAM_TOKENS = 256

@@ -19,13 +19,13 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch
 
-from tangram_sgl.budget import kept_tokens_quantized, pages_for
+from tangram_sgl.budget import pages_for
 from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.pool.device_copy import to_device, to_host
 from tangram_sgl.pool.device_slot_lists import DeviceSlotLists
 from tangram_sgl.pool.group_page_pool import GroupPagePool
 from tangram_sgl.pool.request_kv import UNRESOLVED, PrefixMatch, RequestKV
-from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, SegmentWrites
+from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, SegmentWrites, kept_counts
 from tangram_sgl.pool.segment import GroupSlots, Segment, csr_slot_lists, page_list_slots
 from tangram_sgl.pool.step_writes import CompressedWrites, FullSegmentWrites
 from tangram_sgl.profile import TangramProfile
@@ -171,8 +171,7 @@ class TangramKVManager:
 
     def _kept_counts(self, n: int, start: int) -> np.ndarray:
         """int64 ``[G]``: k_g of an n-token segment at ``start``."""
-        return kept_tokens_quantized(self.layout.group_budget_quantized, n, start, self.sink_tokens,
-                                     self.recent_window)
+        return kept_counts(self.layout, n, start, self.sink_tokens, self.recent_window)
 
     def _pages_needed(self, req: RequestKV, counts: np.ndarray, decode_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """int64 ``[G]`` (pages to allocate, of them the segment's): the segment's pages, plus decode pages beyond

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from tangram_sgl.budget import kept_tokens_quantized, pages_for
@@ -23,9 +24,14 @@ class AdmissionError(RuntimeError):
     """A request cannot be given its pages even after evicting every unlocked radix-tree node."""
 
 
+def kept_counts(layout: HeadGroupLayout, n: int, start: int, sink: int, window: int) -> np.ndarray:
+    """int64 ``[G]``: k_g for every group g of an n-token segment starting at absolute position ``start``."""
+    return kept_tokens_quantized(layout.group_budget_quantized, n, start, sink, window)
+
+
 def segment_kept_counts(layout: HeadGroupLayout, n: int, start: int, sink: int, window: int) -> list[int]:
-    """k_g for every group g of an n-token segment starting at absolute position ``start``."""
-    return kept_tokens_quantized(layout.group_budget_quantized, n, start, sink, window).tolist()
+    """:func:`kept_counts` as a list."""
+    return kept_counts(layout, n, start, sink, window).tolist()
 
 
 def pages_per_group(
@@ -33,7 +39,7 @@ def pages_per_group(
 ) -> list[int]:
     """Pages per group for a segment of ``n_new`` tokens at ``start`` plus ``decode_tokens`` decoded ones."""
     ps = layout.page_size
-    kept = kept_tokens_quantized(layout.group_budget_quantized, n_new, start, sink, window)
+    kept = kept_counts(layout, n_new, start, sink, window)
     return (pages_for(kept, ps) + pages_for(decode_tokens, ps)).tolist()
 
 
