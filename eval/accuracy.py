@@ -572,7 +572,8 @@ def pool_results(paths: Sequence[Path]) -> tuple[dict, list[dict]]:
     """(data, summary rows) of several runs' turns taken together (distinct task seeds, the same model, scorer,
     sizes and limits): scores, CIs and turn-paired McNemar tests over every seed's conversations, so a target is
     judged on the pooled sample rather than on whichever seed's 80 turns happen to be read."""
-    runs = [json.loads(Path(p).read_text())["data"] for p in paths]
+    # runs from before --model existed have no model_name: they ran the default, SmolLM2
+    runs = [{"model_name": "smollm2", **json.loads(Path(p).read_text())["data"]} for p in paths]
     for key in POOL_SAME:
         values = {json.dumps(r[key], sort_keys=True) for r in runs}
         if len(values) > 1:

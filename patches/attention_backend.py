@@ -2,9 +2,9 @@
 
 Registers the name in SGLang's attention-backend registry and in the ``--attention-backend`` choices.
 The factory builds :class:`tangram_sgl.attention.backend.TangramAttnBackend` (imported lazily, when a model
-runner selects the backend). Settings the backend cannot serve (CUDA graphs, overlap scheduling, TP > 1,
-...) fail at model-runner construction with :class:`TangramNotServable` naming the flag to change, never a
-silent fallback.
+runner selects the backend). Settings the backend cannot serve (full or torch.compile prefill CUDA graphs, TP > 1,
+speculative decoding, ...) fail at model-runner construction with
+:class:`tangram_sgl.attention.servable.TangramNotServable` naming the flag to change, never a silent fallback.
 """
 
 from __future__ import annotations
@@ -17,10 +17,6 @@ from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_back
 from tangram_sgl.patches.server_args import ENV_EXTEND_KERNEL
 
 BACKEND_NAME = "tangram"
-
-
-class TangramNotServable(RuntimeError):
-    """The tangram KV policy was selected with settings this build cannot serve."""
 
 
 def create_tangram_backend(runner: Any) -> Any:

@@ -25,6 +25,7 @@ from sglang.srt.environ import envs
 from sglang.srt.model_executor import cuda_graph_config as sglang_graph_config
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from tangram_sgl.attention.servable import PREFILL_GRAPH_BACKENDS, overlap_conflict
 from tangram_sgl.profile import load_profile
 
 KV_POLICIES = ("default", "tangram")
@@ -34,10 +35,9 @@ ENV_PROFILE = "TANGRAM_PROFILE"
 ENV_EXTEND_KERNEL = "TANGRAM_EXTEND_KERNEL"
 EXTEND_KERNELS = ("triton", "flashinfer", "mixed")
 # FlashInfer for prefill chunks (faster on the H200 there, eval/results/bench_extend.json), the Triton kernel for
-# question-sized steps (fewer host launches per layer: 0.67/0.73/0.76 -> 0.82/0.84/0.81x stock, bench_serving_grid)
+# question-sized steps (fewer host launches per layer: 0.64/0.73/0.77 -> 0.76/0.84/0.81x stock, bench_serving_grid)
 DEFAULT_EXTEND_KERNEL = "mixed"
 _SA = "sglang.srt.server_args.ServerArgs"
-PREFILL_GRAPH_BACKENDS = ("disabled", "breakable")  # the ones the tangram backend serves
 
 # Features whose KV handling tangram_sgl does not implement: (ServerArgs field, its "off" value, flag).
 _UNSUPPORTED = (
@@ -48,23 +48,6 @@ _UNSUPPORTED = (
     ("disaggregation_mode", "null", "--disaggregation-mode"),
 )
 _SUPPORTED_KV_DTYPES = ("auto", "bf16", "bfloat16", "float16")
-
-# Settings refused while SGLang's overlap scheduler runs: ServerArgs field -> (flag, why); the backend checks them too.
-OVERLAP_UNSUPPORTED = {
-    "enable_mixed_chunk": ("--enable-mixed-chunk", ("under overlap SGLang places a running request's row one "
-                                                    "position ahead when its previous batch left it out; untested")),
-    "strip_thinking_cache": ("--strip-thinking-cache", "it caches fewer tokens than the backend computed"),
-}
-
-
-def overlap_conflict(setting: Callable[[str], Any]) -> str | None:
-    """The refusal of the first :data:`OVERLAP_UNSUPPORTED` setting that ``setting(field name)`` reports on, if any."""
-    for name, (flag, why) in OVERLAP_UNSUPPORTED.items():
-        if setting(name):
-            return (f"--kv-policy tangram with SGLang's overlap scheduler does not support {flag} ({why}); add "
-                    f"--disable-overlap-schedule")
-    return None
-
 
 class KvPolicyError(ValueError):
     """``--kv-policy tangram`` was combined with settings it cannot honour."""

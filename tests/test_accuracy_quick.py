@@ -106,16 +106,16 @@ def test_pooled_runs_score_every_seed_and_pair_turns_within_a_seed(tmp_path):
         return {"method": method, "budget": budget, "task": "kv", "conversation": conv, "turn": 0, "correct": correct,
                 "error": None, "kept_fraction": budget, "pages_fraction": None}
 
-    def run(seed, rows):
-        doc = {"data": {"seed": seed, "model": "m", "model_name": "smollm2", "scorer": "snapkv", "sizes": {},
-                        "max_new_tokens": 8, "kv_tokens": 64, "turns": [turn(*r) for r in rows]}}
+    def run(seed, rows, **model_name):
+        doc = {"data": {"seed": seed, "model": "m", "scorer": "snapkv", "sizes": {}, "max_new_tokens": 8,
+                        "kv_tokens": 64, "turns": [turn(*r) for r in rows], **model_name}}
         path = tmp_path / f"run{seed}.json"
         path.write_text(json.dumps(doc))
         return path
 
     a = run(1000, [("full", 1.0, 0, True), ("uniform", 0.5, 0, True), ("tangram", 0.5, 0, False)])
     b = run(2000, [("full", 1.0, 0, True), ("uniform", 0.5, 0, False), ("tangram", 0.5, 0, True),
-                   ("full", 1.0, 1, False), ("uniform", 0.5, 1, False), ("tangram", 0.5, 1, True)])
+                   ("full", 1.0, 1, False), ("uniform", 0.5, 1, False), ("tangram", 0.5, 1, True)], model_name="smollm2")
     data, summary = mod.pool_results([a, b])
     assert data["seeds"] == [1000, 2000]
     assert {k: (v["all"]["n"], v["all"]["hits"]) for k, v in data["scores"].items()} == {
@@ -127,6 +127,10 @@ def test_pooled_runs_score_every_seed_and_pair_turns_within_a_seed(tmp_path):
     assert (data["budgets"], data["tasks"]) == ([0.5], ["kv"])
     with pytest.raises(SystemExit, match="pooled twice"):
         mod.pool_results([a, a])
+    # a (no model_name: a run from before --model, SmolLM2's) pools with SmolLM2 runs, not with another model's
+    qwen = run(3000, [("full", 1.0, 0, True)], model_name="qwen2.5-coder-0.5b")
+    with pytest.raises(SystemExit, match="differ in model_name"):
+        mod.pool_results([a, qwen])
     out = tmp_path / "pooled.json"  # the command: the result and its accuracy-vs-budget figure
     assert mod.main(["--pool", str(a), str(b), "--out", str(out)])["seeds"] == [1000, 2000]
     assert json.loads(out.read_text())["summary"] == summary and out.with_suffix(".png").stat().st_size > 0

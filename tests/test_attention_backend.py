@@ -26,13 +26,13 @@ from sglang.srt.model_executor.forward_context import ForwardContext, forward_co
 from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager import (
     set_tc_piecewise_forward_context,
 )
-from tangram_sgl.patches.attention_backend import TangramNotServable
 from tangram_sgl.patches.cuda_graph import can_run_graph_around
 from tangram_sgl.patches.prefill_graph import capture_around
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tangram_sgl.attention.backend import TangramAttnBackend
 from tangram_sgl.attention.forward_step import AttentionContext, StepError, StepRow, layout_flashinfer_extend
+from tangram_sgl.attention.servable import TangramNotServable
 from tangram_sgl.budget import kept_tokens
 from tangram_sgl.pool.invariants import check_invariants
 from tangram_sgl.pool.kv_manager import TangramKVManager

@@ -179,10 +179,10 @@ def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_
     import torch
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.model_executor import cuda_graph_config as sglang_graph_config
-    from tangram_sgl.patches.attention_backend import TangramNotServable
     from tangram_sgl.patches.server_args import KvPolicyError
 
     from tangram_sgl.attention.backend import TangramAttnBackend
+    from tangram_sgl.attention.servable import TangramNotServable
     from tangram_sgl.pool.kv_manager import TangramKVManager
     from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
     from tangram_sgl.profile import load_profile

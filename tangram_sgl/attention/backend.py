@@ -45,8 +45,7 @@ from tangram_sgl.attention.batch_rows import batch_rows
 from tangram_sgl.attention.decode_graph import DecodeGraphBuffers, GraphDecodeStep
 from tangram_sgl.attention.forward_step import AttentionContext, ForwardStep
 from tangram_sgl.attention.segment_scoring import PreRope, config_pre_rope, needs_pre_rope
-from tangram_sgl.patches.attention_backend import TangramNotServable
-from tangram_sgl.patches.server_args import PREFILL_GRAPH_BACKENDS, overlap_conflict
+from tangram_sgl.attention.servable import PREFILL_GRAPH_BACKENDS, TangramNotServable, overlap_conflict
 from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
 from tangram_sgl.profile import TangramProfile
 
