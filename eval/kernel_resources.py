@@ -20,10 +20,10 @@ from pathlib import Path
 import triton
 from bench_kernels import TUNE_CONFIGS
 from results_io import RESULTS, summary_row, write_result
-from tangram_sgl.kernels.decode import DECODE_CONFIG
+from tangram_sgl.kernels.decode import DECODE_CONFIG, H200_SMS
 from tangram_sgl.kernels.sm90_compile import cases, check_all, compile_case
 
-from tangram_sgl.aot_table import DECODE_WAVE_CTAS, H200_SMS
+from tangram_sgl.aot_table import DECODE_WAVE_CTAS
 
 
 def decode_configs(configs: list[tuple[int, int, int]]) -> list[dict]:

@@ -78,12 +78,17 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _device(doc: dict) -> str:
+    """The device a result file names (older files name the GPU under ``versions``)."""
+    return doc.get("device") or doc.get("versions", {}).get("gpu", "")
+
+
 def table() -> str:
     lines = ["| result | metric | measured | target | met | device | date |", "|---|---|---|---|---|---|---|"]
     for path in sorted((ROOT / "eval" / "results").glob("*.json")):
         doc = json.loads(path.read_text())
         name = doc.get("name", path.stem)
-        device = doc.get("device") or doc.get("versions", {}).get("gpu", "")
+        device = _device(doc)
         for row in doc.get("summary", []):
             met = {True: "yes", False: "**no**", None: "—"}[row.get("met")]
             value = f"{_fmt(row['value'])} {row.get('unit', '')}".strip()
@@ -112,7 +117,7 @@ def headline_table() -> str:
         value = " / ".join(_fmt(round(row["value"], 3) if isinstance(row["value"], float) else row["value"])
                            for row in found)
         names = list(dict.fromkeys(name for name, _ in sources))
-        devices = dict.fromkeys(docs[n].get("device") or docs[n].get("versions", {}).get("gpu", "") for n in names)
+        devices = dict.fromkeys(_device(docs[n]) for n in names)
         lines.append(f"| {issue} | {target} | {value} {found[0].get('unit', '')} | {met} | "
                      f"{', '.join(f'[{n}](eval/results/{n}.json)' for n in names)} | {', '.join(devices)} | "
                      f"{max(docs[n].get('date', '')[:10] for n in names)} |")
@@ -128,9 +133,10 @@ def _fill(text: str, start: str, end: str, body: str) -> str:
 
 def main() -> None:
     readme = ROOT / "README.md"
-    text = _fill(readme.read_text(), HEAD_START, HEAD_END, headline_table())
+    headlines = headline_table()
+    text = _fill(readme.read_text(), HEAD_START, HEAD_END, headlines)
     readme.write_text(_fill(text, START, END, table()))
-    print(headline_table())
+    print(headlines)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ _UNSUPPORTED = (
 )
 _SUPPORTED_KV_DTYPES = ("auto", "bf16", "bfloat16", "float16")
 
+
 class KvPolicyError(ValueError):
     """``--kv-policy tangram`` was combined with settings it cannot honour."""
 
@@ -65,7 +66,7 @@ def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
                        help="Prefill attention of the tangram backend: 'mixed' (default: 'flashinfer' for steps adding "
                             "more than 256 tokens to a row, 'triton' for question-sized steps), 'flashinfer' "
                             "(FlashInfer's chunk + per-(request, kv head) prefix passes, planned once per step) or "
-                            "'triton' (our Triton extend kernel, one launch per layer; 1.1-2.9x slower than "
+                            "'triton' (our Triton extend kernel, one launch per layer; 2.4-2.9x slower than "
                             "FlashInfer on 8k-token chunks, eval/results/bench_extend.json).")
 
 

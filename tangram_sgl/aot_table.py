@@ -22,8 +22,8 @@ shortest simulated launch (:func:`decode_makespan`): the launch's programs, long
 reference context of ``REFERENCE_CONTEXT`` tokens. Why: a launch just over a whole number of waves leaves most
 slots idle for its last wave. The slots (3 per SM) are what fits the H200's measured target studies of sessions
 8-16 (batch 8-128, 4k and 32k contexts, budgets 1.0 and 0.25: the simulated choice was within 3.2 % of the best
-measured target in all 12 cases, mean 0.9 %, ``tests/test_aot_table.py``, where the former fixed target of 8 CTAs per SM lost 6 % on average
-and up to 14 %; 2 or 4 slots per SM fit far worse); they are what the served decode config (128, 4, 2) compiles to
+measured target in all 12 cases, mean 0.9 %, held there by ``tests/test_aot_table.py``, where the former fixed target
+of 8 CTAs per SM lost 6 % on average and up to 14 %; 2 or 4 slots per SM fit far worse); they are what the served decode config (128, 4, 2) compiles to
 at head dim 128 and bf16 (160 registers and 72 KB of shared memory a program under the H200's Triton 3.6:
 ``eval/results/kernel_resources.json``; ``tests/test_kernels_compile.py`` holds the two together).
 """

@@ -11,8 +11,9 @@ import subprocess
 import sys
 
 import pytest
+from tangram_sgl.kernels.decode import H200_SMS
 
-from tangram_sgl.aot_table import DECODE_WAVE_CTAS, H200_SMS
+from tangram_sgl.aot_table import DECODE_WAVE_CTAS
 
 
 @pytest.fixture(scope="module")
