@@ -14,6 +14,7 @@ HEAD_START, HEAD_END = "<!-- targets-table:start -->", "<!-- targets-table:end -
 R1 = "tangram_mixed_ov_llama-3.1-8b.uniform.r1.0"
 QWEN_R05 = "tangram_flashinfer_qwen2.5-coder-0.5b-instruct.snapkv-p31.r0.5"
 QWEN_R025 = "tangram_flashinfer_qwen2.5-coder-0.5b-instruct.snapkv-p31.r0.25"
+SMOL_R05 = "tangram_mixed_bcg_ov_smollm2-135m-instruct.snapkv-p31.r0.5"
 
 
 def _accuracy_sources(name: str, scorer: str, model: str, kept: dict[str, str]) -> list[tuple[str, str]]:
@@ -28,7 +29,7 @@ def _accuracy_sources(name: str, scorer: str, model: str, kept: dict[str, str]) 
 
 # (issue, target, [(result name, summary metric), ...] whose values are shown together)
 LONG, GRID = "bench_serving_long", "bench_serving_grid"
-KERNELS, SHORT_KERNELS = "bench_kernels_merge1", "bench_kernels_short"
+KERNELS, SHORT_KERNELS = "bench_kernels_study", "bench_kernels_short"
 HEADLINES = (
     (5, "long class (48k documents), budget 0.25: output tok/s >= 3.0x stock",
      [(LONG, "tangram_llama-3.1-8b.synthetic.r0.25 long: throughput vs stock_flashinfer")]),
@@ -55,16 +56,23 @@ HEADLINES = (
       ("accuracy_server_qwen", f"{QWEN_R05}: CPU reference tangram@0.5 on the same turns"),
       ("accuracy_server_qwen", f"{QWEN_R025}: answers containing the expected text"),
       ("accuracy_server_qwen", f"{QWEN_R025}: CPU reference tangram@0.25 on the same turns")]),
+    (5, "accuracy, GPU server / CPU path on the same turns (SmolLM2, snapkv pool-31 r0.5, then stock / full KV)",
+     [("accuracy_server_p31", f"{SMOL_R05}: answers containing the expected text"),
+      ("accuracy_server_p31", f"{SMOL_R05}: CPU reference tangram@0.5 on the same turns"),
+      ("accuracy_server_p31", "stock_triton: answers containing the expected text"),
+      ("accuracy_server_p31", "stock_triton: CPU reference full on the same turns")]),
     (8, "decode, batch 32 x 32k, mean budget 0.25 (the anchor): <= 0.26 ms a layer",
      [(KERNELS, "decode ms/layer, B32 x 32k, mean budget 0.25 (Triton, AOT splits)")]),
     (8, "the anchor: >= 2.7x FlashInfer plan()+run / >= 3.6x uncompressed FlashInfer",
      [(KERNELS, "speed-up vs FlashInfer plan()+run, same cache (anchor)"),
       (KERNELS, "speed-up vs FlashInfer uncompressed decode (anchor)")]),
     (8, "decode >= 85 % of the 4.8 TB/s roofline at batch >= 16, worst case: 32k-64k grid / 4k",
-     [(KERNELS, "worst roofline share at batch >= 16 (all budgets)"),
+     [(KERNELS, ("worst roofline share at batch >= 16 (18 cases: batch 16/32/64, context 32k/64k, budget "
+                 "0.25/0.5/1)")),
       (SHORT_KERNELS, "worst roofline share at batch >= 16 (4 cases: batch 32/128, context 4k, budget 0.25/1)")]),
     (8, "budget 1.0 within 10 % of FlashInfer's uncompressed decode, worst case: 32k-64k grid / 4k",
-     [(KERNELS, "budget 1.0: worst Triton time / FlashInfer uncompressed"),
+     [(KERNELS, ("budget 1.0: worst Triton time / FlashInfer uncompressed (6 cases: batch 16/32/64, context 32k/64k, "
+                 "budget 1)")),
       (SHORT_KERNELS, ("budget 1.0: worst Triton time / FlashInfer uncompressed (3 cases: batch 8/32/128, context 4k, "
                       "budget 1)"))]),
     (8, "host time planning a decode step: 0", [(KERNELS, "host planning per decode step (ours)")]),

@@ -310,15 +310,15 @@ def test_server_specs():
     assert parse_server_spec("stock:flashinfer") == ("stock_flashinfer", None, ["--attention-backend", "flashinfer"])
     assert parse_server_spec("stock-nooverlap:flashinfer") == (
         "stock_flashinfer_nooverlap", None, ["--attention-backend", "flashinfer", "--disable-overlap-schedule"])
-    assert parse_server_spec("tangram:/p/x.r1.json") == ("tangram_mixed_bcg_ov_x.r1", "/p/x.r1.json", [])
+    assert parse_server_spec("tangram:/p/x.r1.json") == ("tangram_mixed_ov_x.r1", "/p/x.r1.json", [])
     assert parse_server_spec("tangram@triton:/p/x.json") == (
-        "tangram_triton_bcg_ov_x", "/p/x.json", ["--tangram-extend-kernel", "triton"])
+        "tangram_triton_ov_x", "/p/x.json", ["--tangram-extend-kernel", "triton"])
     assert parse_server_spec("tangram@flashinfer:/p/x.json") == (
-        "tangram_flashinfer_bcg_ov_x", "/p/x.json", ["--tangram-extend-kernel", "flashinfer"])
-    assert parse_server_spec("tangram-eager:/p/x.json") == (  # the label of eager runs before session 18's default
-        "tangram_mixed_ov_x", "/p/x.json", ["--cuda-graph-backend-prefill", "disabled"])
+        "tangram_flashinfer_ov_x", "/p/x.json", ["--tangram-extend-kernel", "flashinfer"])
+    assert parse_server_spec("tangram-bcg:/p/x.json") == (
+        "tangram_mixed_bcg_ov_x", "/p/x.json", ["--cuda-graph-backend-prefill", "breakable"])
     assert parse_server_spec("tangram-nooverlap:/p/x.json") == (
-        "tangram_mixed_bcg_x", "/p/x.json", ["--disable-overlap-schedule"])
+        "tangram_mixed_x", "/p/x.json", ["--disable-overlap-schedule"])
     with pytest.raises(ValueError, match="expected stock"):
         parse_server_spec("stock@flashinfer:triton")
 
@@ -382,9 +382,9 @@ def test_exactness_repeats_a_server_given_twice_and_splits_out_first_turns(tmp_p
     history) are counted apart from later ones."""
     import exactness
 
-    answers = {"tangram_mixed_bcg_ov_p": [[{"output_ids": [1, 2], "logprobs": [-0.1, -0.2]},
+    answers = {"tangram_mixed_ov_p": [[{"output_ids": [1, 2], "logprobs": [-0.1, -0.2]},
                                            {"output_ids": [3, 4], "logprobs": [-0.3, -0.4]}]],
-               "tangram_mixed_bcg_p": [[{"output_ids": [1, 2], "logprobs": [-0.1, -0.25]},
+               "tangram_mixed_p": [[{"output_ids": [1, 2], "logprobs": [-0.1, -0.25]},
                                         {"output_ids": [3, 5], "logprobs": [-0.3, -0.4]}]]}
     served = []
 
@@ -395,13 +395,13 @@ def test_exactness_repeats_a_server_given_twice_and_splits_out_first_turns(tmp_p
 
     monkeypatch.setattr(exactness, "ServerProcess", Server)
     monkeypatch.setattr(exactness, "collect", lambda url, tok, convs, n: answers[
-        "tangram_mixed_bcg_ov_p" if served[-1] else "tangram_mixed_bcg_p"])
+        "tangram_mixed_ov_p" if served[-1] else "tangram_mixed_p"])
     monkeypatch.setitem(sys.modules, "transformers", type("T", (), {"AutoTokenizer": type(
         "A", (), {"from_pretrained": staticmethod(lambda path: None)})}))
     exactness.main(["--model-path", "m", "--out", str(tmp_path), "--name", "e", "--runs", "tangram:p.json",
                     "tangram:p.json", "tangram-nooverlap:p.json"])
     doc = json.loads((tmp_path / "e.json").read_text())
-    restart, plain = (doc["data"]["comparisons"][k] for k in ("tangram_mixed_bcg_ov_p_restart", "tangram_mixed_bcg_p"))
+    restart, plain = (doc["data"]["comparisons"][k] for k in ("tangram_mixed_ov_p_restart", "tangram_mixed_p"))
     assert restart["identical_turns"] == 2 and restart["max_logprob_diff_on_agreeing_prefix"] == 0
     assert (plain["identical_turns"], plain["identical_first_turns"]) == (1, 1)
     assert plain["max_logprob_diff_first_turns"] == pytest.approx(0.05)

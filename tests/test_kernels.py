@@ -282,7 +282,7 @@ def test_token_write_matches_reference(page, rows):
     write_token_kv(*args, *pool)
     write_token_kv_torch(*args, *ref)
     assert all(torch.equal(a, b) for a, b in zip(pool, ref))
-    written = torch.zeros(pages, hp, page, dtype=torch.bool)
+    written = torch.zeros(pages, hp, page, dtype=torch.bool, device=cpu)
     for r, h in itertools.product(range(rows), range(hkv)):
         s, c = int(slots[r, head_group[h]]), int(head_column[h])
         assert torch.equal(pool[0][s // page, c, s % page].cpu(), k[r, h].to(dt))

@@ -170,10 +170,10 @@ def test_launch_server_help_lists_the_options():
 
 def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_dir, profile_path, monkeypatch):
     """The registry's ``tangram`` factory on SGLang's resolved ServerArgs: the policy keeps decode CUDA graphs
-    (SGLang's default, full graphs), SGLang's overlap scheduler (on by default) and its default breakable prefill
-    graphs (CUDA) as given, turns prefill graphs off where SGLang's default is another kind (torch.compile graphs,
-    its default here on the CPU), the factory builds TangramAttnBackend on the tangram pool, and settings the
-    backend cannot serve are still refused by name if they reach it another way."""
+    (SGLang's default, full graphs) and SGLang's overlap scheduler (on by default) as given, turns prefill graphs
+    off unless breakable ones are asked for (whatever SGLang's own default: breakable on CUDA, torch.compile graphs
+    here on the CPU), the factory builds TangramAttnBackend on the tangram pool, and settings the backend cannot
+    serve are still refused by name if they reach it another way."""
     from types import SimpleNamespace
 
     import torch
@@ -206,14 +206,12 @@ def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_
                  str(profile_path), "--cuda-graph-backend-prefill", "breakable", "--tangram-extend-kernel", "triton")
     assert bcg.cuda_graph_config.prefill.backend == "breakable"  # asked for: kept, and the backend serves it
     assert isinstance(ATTENTION_BACKENDS["tangram"](runner(bcg)), TangramAttnBackend)
-    with monkeypatch.context() as m:  # SGLang's default on CUDA: breakable graphs, kept as stock SGLang runs them
+    with monkeypatch.context() as m:  # SGLang's default on CUDA is breakable graphs; tangram's is eager prefill
         m.setattr(sglang_graph_config, "default_prefill_backend", lambda: "breakable")
         cuda = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
                       str(profile_path), "--tangram-extend-kernel", "triton")
-        off = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
-                     str(profile_path), "--tangram-extend-kernel", "triton", "--cuda-graph-backend-prefill", "disabled")
-    assert cuda.cuda_graph_config.prefill.backend == "breakable" and off.cuda_graph_config.prefill.backend == "disabled"
-    assert isinstance(ATTENTION_BACKENDS["tangram"](runner(cuda)), TangramAttnBackend)
+        stock = _parse(sglang_loaded, "--model-path", str(model_dir))
+    assert cuda.cuda_graph_config.prefill.backend == "disabled" and stock.cuda_graph_config.prefill.backend == "breakable"
     # SGLang's overlap scheduler stays on (its default), and --disable-overlap-schedule still turns it off
     assert not sa.disable_overlap_schedule
     nov = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",

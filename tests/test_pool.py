@@ -282,6 +282,21 @@ def test_slot_tables_batch_equals_each_segments_group_lists():
         assert t.slots.tolist() == torch.cat(want).tolist()
 
 
+
+def test_slot_tables_on_a_device_carry_pages_not_slots(monkeypatch):
+    """Tables built for a device (``meta`` stands in for the GPU) send it page lists and list bounds, not the
+    slots (page_size times as many); each table there has its segment's shape, and a second ask copies nothing."""
+    from tangram_sgl.pool import segment
+
+    sent = []
+    monkeypatch.setattr(segment, "to_device", lambda t, dev: sent.append(t.numel()) or t.to(dev))
+    segs = [segment.Segment(0, [1] * 64, True, [segment.GroupSlots(list(range(4 * g + 16 * i, 4 * g + 16 * i + 4)), 64)
+                                                for g in range(3)]) for i in range(2)]
+    tables = segment.slot_tables(segs, 16, torch.device("meta"))
+    assert sent == [2 * 3 * 4 + 2 * 2 * 3]  # 24 pages, then each list's first page and length
+    assert [t.slots.shape for t in tables] == [(3 * 64,)] * 2 and tables[0].slots.device.type == "meta"
+    assert segment.slot_tables(segs, 16, torch.device("meta"))[1] is tables[1] and len(sent) == 1
+
 def test_slot_lists_on_a_device_are_cached_per_list_state():
     """Lists read on another device (``meta`` stands in for the GPU) are copied there once per list state
     and dropped when the list grows; ``slot_lists`` concatenates the device copies (indptr stays on the host)."""

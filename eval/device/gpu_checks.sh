@@ -11,7 +11,7 @@
 #   exact1 / floor   budget 1.0 only, page size 1; stock triton vs stock flashinfer (the bf16 noise floor)
 #   exact_ov / exact_ov05   SmolLM2 tangram at 1.0 / 0.5 with and without SGLang's overlap scheduler (on by default)
 #   exact_ov_restart / exact_ov_stock   the overlap server twice (must repeat itself); stock with and without overlap
-#   smoke_eager   the smoke with CUDA graphs off (decode, and prefill: breakable prefill graphs are the default since session 18)
+#   smoke_eager   the smoke with decode CUDA graphs off too (prefill ones are off by default)
 #   bench_stock / bench_r025 / bench_r1 / bench_r05   eval/bench_serving.py, one server per call (24 sessions x 48k
 #           distinct documents, a ${BENCH_SECONDS:-240} s window each; BENCH_CONTEXT=mid=16384 BENCH_SESSIONS=64 for
 #           another class): stock flashinfer; tangram at r0.25, 1.0, 0.5;
@@ -21,8 +21,8 @@
 #   grid_stock / grid_r025 / grid_r05 / grid_r1   one server start each: the short class (4k documents) at 8, 32 and
 #           128 concurrent sessions (TTFT vs load) and the mid class (16k) at 64, a ${GRID_SECONDS:-60} s window each
 #           (GRID_CONTEXTS overrides the classes); grid_stock_nooverlap: stock with --disable-overlap-schedule;
-#           grid_r1_eager / grid_r025_eager: tangram without prefill CUDA graphs (breakable ones are the default since
-#           session 18: the A/B of that default); grid_r1_fi / grid_r025_fi:
+#           grid_r1_bcg / grid_r025_bcg: tangram with breakable prefill CUDA graphs (its default in sessions 18-19;
+#           session 20 measured them no faster, so prefill runs eagerly by default); grid_r1_fi / grid_r025_fi:
 #           --tangram-extend-kernel flashinfer for every extend step (the default, mixed, runs question-sized ones in Triton);
 #           grid_r1_nooverlap: --disable-overlap-schedule (tangram's default before session 16)
 #           TRACE_STEPS=N (TRACE_AT="ctx@conc ...", default short@8): SGLang's profiler over N steps of each such replay, GPU time
@@ -161,8 +161,7 @@ stage_exact_ov_restart() { NAME=exactness_smollm2_ov_restart exact_runs tangram:
 stage_exact_ov_stock() { NAME=exactness_smollm2_ov_stock exact_runs stock:triton stock-nooverlap:triton; }
 # the bf16 noise floor between two correct stock backends
 stage_floor() { NAME=exactness_smollm2_floor exact_runs stock:triton stock:flashinfer; }
-stage_smoke_eager() { SMOKE_LABEL=llama8b_dummy_r0.25_eager
-  SMOKE_EXTRA="--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled" stage_smoke; }
+stage_smoke_eager() { SMOKE_LABEL=llama8b_dummy_r0.25_eager SMOKE_EXTRA="--cuda-graph-backend-decode disabled" stage_smoke; }
 stage_smoke_nooverlap() { SMOKE_LABEL=llama8b_dummy_r0.25_nooverlap SMOKE_EXTRA="--disable-overlap-schedule" stage_smoke; }
 # serving throughput, dummy Llama-3.1-8B, one server per call (a start costs 2 min; stock's first ~4 min: FlashInfer
 # JIT and prefill-graph capture)
@@ -224,13 +223,13 @@ stage_grid_r1() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
 stage_grid_r1_fi() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   grid_run r1_fi tangram@flashinfer:/tmp/llama-3.1-8b.uniform.r1.0.json; }
 stage_grid_r025_fi() { grid_run r025_fi tangram@flashinfer:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
-# without prefill CUDA graphs (--cuda-graph-backend-prefill disabled; breakable ones are the default since session 18)
-stage_grid_r1_eager() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
-  grid_run r1_eager tangram-eager:/tmp/llama-3.1-8b.uniform.r1.0.json; }
+# with breakable prefill CUDA graphs (--cuda-graph-backend-prefill breakable; tangram's default in sessions 18-19)
+stage_grid_r1_bcg() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
+  grid_run r1_bcg tangram-bcg:/tmp/llama-3.1-8b.uniform.r1.0.json; }
 # --disable-overlap-schedule: without SGLang's overlap scheduler (tangram's default until session 16)
 stage_grid_r1_nooverlap() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   grid_run r1_nooverlap tangram-nooverlap:/tmp/llama-3.1-8b.uniform.r1.0.json; }
-stage_grid_r025_eager() { grid_run r025_eager tangram-eager:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
+stage_grid_r025_bcg() { grid_run r025_bcg tangram-bcg:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
 stage_soak() { soak_run all "${SOAK_MINUTES:-7}"; }
 # a 10-minute soak over two calls, back to back: the server started by soak_start outlives its call
 stage_soak_start() { soak_run start "${SOAK_MINUTES:-6.5}"; }

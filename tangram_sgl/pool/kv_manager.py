@@ -226,8 +226,8 @@ class TangramKVManager:
         pages starting at ``pages[firsts[g]]`` (one vectorized gather)."""
         table = np.zeros((len(counts), max(int(counts.max(initial=0)), 1)), dtype=np.int64)
         # row-major order of the valid cells is the lists' order, end to end
-        table[np.arange(table.shape[1])[None, :] < counts[:, None]] = page_list_slots(pages, firsts, counts,
-                                                                                      self.page_size)
+        table[np.arange(table.shape[1])[None, :] < counts[:, None]] = page_list_slots(
+            *(torch.from_numpy(a) for a in (pages, firsts, counts)), self.page_size, int(counts.sum())).numpy()
         return torch.from_numpy(table)
 
     def write_segment_layer(self, rid: Hashable, layer: int, k: torch.Tensor, v: torch.Tensor,

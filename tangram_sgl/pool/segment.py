@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -67,42 +68,40 @@ class SlotTable:
     offsets: np.ndarray  # int64 [G], host
 
 
-def page_list_slots(pages: np.ndarray, first_page: np.ndarray, lens: np.ndarray, page_size: int) -> np.ndarray:
-    """int64: ragged slot lists laid end to end, list i's slot j being
-    ``pages[first_page[i] + j // page_size] * page_size + j % page_size`` (its tokens fill its pages in order)."""
-    owner = np.repeat(np.arange(len(lens)), lens)
-    j = np.arange(int(lens.sum())) - (np.cumsum(lens) - lens)[owner]
-    return pages[first_page[owner] + j // page_size] * page_size + j % page_size
+def page_list_slots(pages: torch.Tensor, first_page: torch.Tensor, lens: torch.Tensor, page_size: int,
+                    total: int) -> torch.Tensor:
+    """Ragged slot lists laid end to end, list i's slot j being
+    ``pages[first_page[i] + j // page_size] * page_size + j % page_size`` (its tokens fill its pages in order);
+    computed where the inputs are (one device; ``total = lens.sum()``, a host int: no device sync)."""
+    starts = torch.cumsum(lens, 0) - lens
+    owner = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens, output_size=total)
+    j = piece_positions(-starts, lens, total)  # each slot's index within its list
+    return pages[first_page[owner] + torch.div(j, page_size, rounding_mode="floor")] * page_size + j % page_size
 
 
 def slot_tables(segments: Sequence[Segment], page_size: int, device: torch.device | None = None) -> list[SlotTable]:
-    """:meth:`Segment.slot_table` of each of ``segments``; the stale host tables are computed together (a few
-    numpy operations for all of them) and reach ``device`` in one copy (each table a view of it)."""
+    """:meth:`Segment.slot_table` of each of ``segments``; the tables missing on ``device`` are built together,
+    there: their page lists travel (one copy, 1/page_size of the slots) and expand into slots on ``device``."""
     dev = torch.device("cpu") if device is None else torch.device(device)
-    host = torch.device("cpu")
     unique = list({id(s): s for s in segments}.values())  # a tree node is on many requests' paths
-    stale = [s for s in unique if s._tables is None or s._tables[0] != (s.n, page_size)]
-    if stale:
-        G = len(stale[0].groups)
-        lens = np.fromiter((gs.length for s in stale for gs in s.groups), dtype=np.int64, count=len(stale) * G)
-        npages = np.fromiter((len(gs.pages) for s in stale for gs in s.groups), dtype=np.int64, count=len(stale) * G)
-        pages = np.fromiter((p for s in stale for gs in s.groups for p in gs.pages), dtype=np.int64,
-                            count=int(npages.sum()))
-        # list i: segment i // G, group i % G
-        slots = torch.from_numpy(page_list_slots(pages, np.cumsum(npages) - npages, lens, page_size).astype(np.int32))
+    for s in unique:
+        if s._tables is None or s._tables[0] != (s.n, page_size):
+            s._tables = ((s.n, page_size), {})
+    missing = [s for s in unique if dev not in s._tables[1]]
+    if missing:
+        G = len(missing[0].groups)
+        lists = [gs for s in missing for gs in s.groups]  # list i: segment i // G, group i % G
+        lens = np.fromiter((gs.length for gs in lists), dtype=np.int64, count=len(lists))
+        npages = np.fromiter((len(gs.pages) for gs in lists), dtype=np.int64, count=len(lists))
+        pages = np.fromiter(chain.from_iterable(gs.pages for gs in lists), dtype=np.int64, count=int(npages.sum()))
+        meta = to_device(torch.from_numpy(np.concatenate([pages, np.cumsum(npages) - npages, lens])), dev)
+        slots = page_list_slots(meta[:len(pages)], meta[len(pages):len(pages) + len(lists)],
+                                meta[len(pages) + len(lists):], page_size, int(lens.sum())).to(torch.int32)
         seg_lens = lens.reshape(-1, G)
         offsets = np.cumsum(seg_lens, axis=1) - seg_lens
         bounds = np.concatenate([[0], np.cumsum(seg_lens.sum(axis=1))]).tolist()
-        for i, s in enumerate(stale):
-            s._tables = ((s.n, page_size), {host: SlotTable(slots[bounds[i]:bounds[i + 1]], seg_lens[i], offsets[i])})
-    missing = [s for s in unique if dev not in s._tables[1]]
-    if missing:
-        moved = to_device(torch.cat([s._tables[1][host].slots for s in missing]), dev)
-        at = 0
-        for s in missing:
-            t = s._tables[1][host]
-            s._tables[1][dev] = SlotTable(moved[at:at + t.slots.numel()], t.lengths, t.offsets)
-            at += t.slots.numel()
+        for i, s in enumerate(missing):
+            s._tables[1][dev] = SlotTable(slots[bounds[i]:bounds[i + 1]], seg_lens[i], offsets[i])
     return [s._tables[1][dev] for s in segments]
 
 
