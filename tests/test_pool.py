@@ -282,7 +282,6 @@ def test_slot_tables_batch_equals_each_segments_group_lists():
         assert t.slots.tolist() == torch.cat(want).tolist()
 
 
-
 def test_slot_tables_on_a_device_carry_pages_not_slots(monkeypatch):
     """Tables built for a device (``meta`` stands in for the GPU) send it page lists and list bounds, not the
     slots (page_size times as many); each table there has its segment's shape, and a second ask copies nothing."""

@@ -75,7 +75,7 @@ def page_list_slots(pages: torch.Tensor, first_page: torch.Tensor, lens: torch.T
     computed where the inputs are (one device; ``total = lens.sum()``, a host int: no device sync)."""
     starts = torch.cumsum(lens, 0) - lens
     owner = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens, output_size=total)
-    j = piece_positions(-starts, lens, total)  # each slot's index within its list
+    j = torch.arange(total, device=lens.device) - starts[owner]  # each slot's index within its list
     return pages[first_page[owner] + torch.div(j, page_size, rounding_mode="floor")] * page_size + j % page_size
 
 
@@ -95,8 +95,8 @@ def slot_tables(segments: Sequence[Segment], page_size: int, device: torch.devic
         npages = np.fromiter((len(gs.pages) for gs in lists), dtype=np.int64, count=len(lists))
         pages = np.fromiter(chain.from_iterable(gs.pages for gs in lists), dtype=np.int64, count=int(npages.sum()))
         meta = to_device(torch.from_numpy(np.concatenate([pages, np.cumsum(npages) - npages, lens])), dev)
-        slots = page_list_slots(meta[:len(pages)], meta[len(pages):len(pages) + len(lists)],
-                                meta[len(pages) + len(lists):], page_size, int(lens.sum())).to(torch.int32)
+        slots = page_list_slots(*meta.split([len(pages), len(lists), len(lists)]), page_size,
+                                int(lens.sum())).to(torch.int32)
         seg_lens = lens.reshape(-1, G)
         offsets = np.cumsum(seg_lens, axis=1) - seg_lens
         bounds = np.concatenate([[0], np.cumsum(seg_lens.sum(axis=1))]).tolist()
