@@ -116,11 +116,11 @@ def flush_cache(url: str, timeout_s: float = 90.0) -> None:
 
 def traced(url: str, label: str, run: dict, a: argparse.Namespace) -> TraceTrigger | None:
     """With ``--trace-steps``, for a run ``--trace-at`` names: a started :class:`TraceTrigger` (profiling
-    starts once 3/4 of the run's concurrency is running)."""
+    starts ``--trace-delay`` seconds after 3/4 of the run's concurrency first runs)."""
     if not a.trace_steps or f"{run['context']}@{run['concurrency']}" not in a.trace_at:
         return None
     trigger = TraceTrigger(url, a.out / "traces", max(1, run["concurrency"] * 3 // 4), a.trace_steps,
-                           f"{label}_{run['context']}_c{run['concurrency']}", a.replay_timeout)
+                           f"{label}_{run['context']}_c{run['concurrency']}", a.replay_timeout, a.trace_delay)
     trigger.start()
     return trigger
 
@@ -392,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(GPU kernel time per kernel name in the result; the run's throughput is then not merged)")
     p.add_argument("--trace-at", nargs="+", default=["short@8"],
                    help="CONTEXT@CONCURRENCY of each replay --trace-steps profiles")
+    p.add_argument("--trace-delay", type=float, default=0.0,
+                   help="seconds between the traced replay reaching 3/4 of its concurrency and the profile's start")
     p.add_argument("--port", type=int, default=30200)
     p.add_argument("--name", default="bench_serving")
     p.add_argument("server_extra", nargs="*", help="after --: more launch_server arguments for every server")

@@ -30,14 +30,15 @@ RUNNING = re.compile(r"^sglang:num_running_reqs(?:\{[^}]*\})? ([0-9.eE+-]+)$", r
 
 
 class TraceTrigger(threading.Thread):
-    """Background thread: once ``min_running`` requests run, profile ``num_steps`` steps (see module docstring).
+    """Background thread: once ``min_running`` requests run, wait ``delay_s`` (a later window of the load: the
+    first steps are the opening wave of prefills), then profile ``num_steps`` steps (see module docstring).
     ``started_at`` (epoch seconds) is set if the profile was asked for, ``error`` if asking failed."""
 
     def __init__(self, url: str, output_dir: Path, min_running: int, num_steps: int, profile_id: str,
-                 timeout_s: float):
+                 timeout_s: float, delay_s: float = 0.0):
         super().__init__(daemon=True)
         self.url, self.output_dir, self.min_running = url, Path(output_dir), min_running
-        self.num_steps, self.profile_id, self.timeout_s = num_steps, profile_id, timeout_s
+        self.num_steps, self.profile_id, self.timeout_s, self.delay_s = num_steps, profile_id, timeout_s, delay_s
         self.started_at: float | None = None
         self.error: str | None = None
         self._halt = threading.Event()
@@ -51,6 +52,9 @@ class TraceTrigger(threading.Thread):
             while not self._halt.is_set() and time.time() < deadline:
                 m = RUNNING.search(requests.get(self.url + "/metrics", timeout=10).text)
                 if m and float(m.group(1)) >= self.min_running:
+                    if self._halt.wait(self.delay_s):
+                        self.error = f"the replay ended within the {self.delay_s:.0f} s trace delay"
+                        return
                     self.output_dir.mkdir(parents=True, exist_ok=True)
                     r = requests.post(self.url + "/start_profile", timeout=60, json={
                         "output_dir": str(self.output_dir), "num_steps": self.num_steps,

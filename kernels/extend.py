@@ -46,7 +46,8 @@ def extend_splits(batch: int, kv_heads: int, blocks: int, max_prefix: int) -> in
     return max(1, min(want, -(-max_prefix // EXTEND_MIN_SPLIT_TOKENS), EXTEND_MAX_SPLITS))
 
 
-@triton.jit
+# data-dependent ints are not specialised (Triton would compile a variant per value == 1 / multiple of 16 mid-serving)
+@triton.jit(do_not_specialize=["num_splits", "total_new"])
 def _extend_kernel(
     Q, KNew, VNew, K, V, O, MidO, MidLse,
     QoIndptr, KvIndptr, KvIndices, HeadGroup, HeadColumn,
@@ -130,7 +131,7 @@ def _extend_kernel(
             tl.store(O + o_ptr, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=mask_m[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "total_new"])
 def _extend_merge_kernel(O, MidO, MidLse, num_splits, total_new, stride_ot, stride_oh,
                          D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Program (t, q): new token t, query head q; its S partials in one round of loads."""
@@ -214,6 +215,25 @@ def extend_attention(
         _extend_merge_kernel[(total, hq)](out, mid_o, mid_lse, num_splits, total, out.stride(0), out.stride(1),
                                           D=D, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
     return out
+
+
+def warm_up_extend(num_q_heads: int, k_buffer: torch.Tensor, v_buffer: torch.Tensor, head_group: torch.Tensor,
+                   head_column: torch.Tensor, num_groups: int, q_dtype: torch.dtype) -> int:
+    """Compile every variant of :func:`extend_attention` a server can launch over its pool buffers (``k_buffer`` /
+    ``v_buffer`` ``[pages, H_p, page, D]``, only read through slot lists, all empty here) with one layer's
+    ``head_group`` / ``head_column``: the direct write (S = 1) and each merge width of S = 2 ..
+    ``EXTEND_MAX_SPLITS``. Otherwise the first step of each kind compiles mid-serving (~1 s each on the H200).
+    Returns the number of launches."""
+    dev, D, hkv = k_buffer.device, k_buffer.shape[-1], head_group.shape[0]
+    q = torch.zeros((1, num_q_heads, D), dtype=q_dtype, device=dev)
+    kv_new = torch.zeros((1, hkv, D), dtype=k_buffer.dtype, device=dev)
+    qo_indptr = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+    kv_indptr = torch.zeros(num_groups + 1, dtype=torch.int32, device=dev)
+    splits = [1] + [1 << i for i in range(1, EXTEND_MAX_SPLITS.bit_length())]
+    for s in splits:
+        extend_attention(q, kv_new, kv_new, qo_indptr, 1, k_buffer, v_buffer, kv_indptr, kv_indptr[:0], head_group,
+                         head_column, sm_scale=1.0, num_splits=s)
+    return len(splits)
 
 
 def extend_attention_torch(

@@ -31,7 +31,7 @@ def _copy_rows(KSrc, VSrc, K, V, src_k, src_v, slot, col, mask,
              v.to(V.dtype.element_ty), mask=mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m"])  # the copy count: not a compile per value
 def _scatter_kv_kernel(Slot, Column, Token, Head, KSrc, VSrc, K, V, m,
                        stride_st, stride_sh, stride_vst, stride_vsh,
                        stride_kp, stride_kc, stride_kt, stride_vp, stride_vc, stride_vt,

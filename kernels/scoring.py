@@ -85,7 +85,7 @@ def _window_lse_kernel(
     tl.store(Lse + (r * tl.num_programs(1) + hq) * BLOCK_W + offs_w, m_i + tl.log(l_i))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_max"])  # a step's longest segment: not a compile per value
 def _window_scores_kernel(
     Q, K, Lse, S, QStart, KStart, Lens, obs, scale, n_max, num_hq,
     stride_qt, stride_qh, stride_kt, stride_kh,

@@ -21,7 +21,14 @@ from tangram_sgl.kernels.decode import (
     paged_decode,
     paged_decode_torch,
 )
-from tangram_sgl.kernels.extend import extend_attention, extend_attention_torch, extend_splits
+from tangram_sgl.kernels.extend import (
+    _extend_kernel,
+    _extend_merge_kernel,
+    extend_attention,
+    extend_attention_torch,
+    extend_splits,
+    warm_up_extend,
+)
 from tangram_sgl.kernels.flashinfer_decode import (
     build_pseudo_page_table,
     pool_as_single_head_pages,
@@ -161,6 +168,35 @@ def test_extend_splits_fill_the_gpu_only_for_small_grids():
     assert extend_splits(1, 8, 1, 100) == 1  # a short prefix is not worth a split
     assert extend_splits(3, 8, 86, 4096) == 1  # an 8k-token chunk already fills the GPU
     assert extend_splits(4, 8, 2, 8192) == 5  # 64 programs -> 320
+
+
+def _compiled_variants() -> int:
+    """Kernels Triton holds compiled for the extend and its merge, over all devices (GPU only)."""
+    return sum(len(cache[0]) for fn in (_extend_kernel, _extend_merge_kernel) for cache in fn.device_caches.values())
+
+
+def test_extend_warm_up_leaves_nothing_to_compile_mid_serving():
+    """After ``warm_up_extend`` no extend step compiles: any split count (hence merge width), token total or
+    request count reuses a warmed variant (on the GPU Triton's caches do not grow; the interpreter compiles
+    nothing, so there the warm-up's launches must only leave the pool untouched)."""
+    lengths = [[300, 40], [0, 9]]
+    k, v, indptr, indices = make_pool(lengths, page_size=16, heads_per_group=2, head_dim=32, seed=5)
+    hg, hc = layer_map(4, 2, 2)
+    k0, v0 = k.clone(), v.clone()
+    assert warm_up_extend(16, k, v, hg, hc, 2, torch.float32) == 6
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    before = _compiled_variants() if DEV == "cuda" else 0
+    for n_new, splits in (([1, 16], 3), ([17, 15], 5), ([2, 1], 32), ([64, 33], 1), ([1], 12)):
+        B = len(n_new)
+        qo = torch.tensor([0] + list(itertools.accumulate(n_new)), dtype=torch.int32)
+        q = torch.randn(sum(n_new), 16, 32)
+        kn, vn = torch.randn(sum(n_new), 4, 32), torch.randn(sum(n_new), 4, 32)
+        out = extend_attention(q, kn, vn, qo, max(n_new), k, v, indptr[: 2 * B + 1], indices, hg, hc,
+                               sm_scale=0.3, num_splits=splits)
+        ref = extend_attention_torch(q, kn, vn, qo, k, v, indptr[: 2 * B + 1], indices, hg, hc, sm_scale=0.3)
+        torch.testing.assert_close(out, ref, **F32_TOL)
+    if DEV == "cuda":
+        assert _compiled_variants() == before
 
 
 @pytest.mark.parametrize("block_m,block_n", [(128, 64), (128, 32), (128, 128), (64, 32)])

@@ -25,7 +25,8 @@
 #           session 20 measured them no faster, so prefill runs eagerly by default); grid_r1_fi / grid_r025_fi:
 #           --tangram-extend-kernel flashinfer for every extend step (the default, mixed, runs question-sized ones in Triton);
 #           grid_r1_nooverlap: --disable-overlap-schedule (tangram's default before session 16)
-#           TRACE_STEPS=N (TRACE_AT="ctx@conc ...", default short@8): SGLang's profiler over N steps of each such replay, GPU time
+#           TRACE_STEPS=N (TRACE_AT="ctx@conc ...", default short@8; TRACE_DELAY=S starts it S seconds after 3/4 of the
+#           sessions first run): SGLang's profiler over N steps of each such replay, GPU time
 #           per kernel in the result (bench_serving_grid_<x>_trace.json; eval/server_trace.py; never merged)
 #   accuracy_qwen  eval/accuracy_server.py on Qwen2.5-Coder-0.5B (stock triton, tangram r0.5 / r0.25) on its CPU run's
 #           conversations, after qwen_join (the GGUF sent as .device-carry/qwen/partNN, one call each, in /tmp/qwen);
@@ -193,7 +194,7 @@ grid_run() {  # TRACE_STEPS=N: SGLang's profiler over N steps of each TRACE_AT r
   timeout 590 python3 eval/bench_serving.py --model-path "$DUMMY" --out "$OUT" --name "$name" --servers "$@" \
     --contexts ${GRID_CONTEXTS:-short=4096@8,32,128 mid=16384@64} --questions 5 --max-tokens 64 --ignore-eos \
     --doc-text vocab --duration "${GRID_SECONDS:-60}" --replay-timeout "$(( ${GRID_SECONDS:-60} + 60 ))" \
-    ${TRACE_STEPS:+--trace-steps "$TRACE_STEPS" --trace-at ${TRACE_AT:-short@8}} \
+    ${TRACE_STEPS:+--trace-steps "$TRACE_STEPS" --trace-at ${TRACE_AT:-short@8} --trace-delay "${TRACE_DELAY:-0}"} \
     -- --load-format dummy --mem-fraction-static 0.8 --chunked-prefill-size 8192 2>&1 | tail -40
   # the device tool brings back a handful of files per call: the per-turn replay records travel as one archive
   (cd "$OUT" && ls replay_*.json >/dev/null 2>&1 && tar czf "replays_$name.tgz" replay_*.json && rm -f replay_*.json)

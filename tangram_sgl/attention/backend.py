@@ -46,6 +46,7 @@ from tangram_sgl.attention.decode_graph import DecodeGraphBuffers, GraphDecodeSt
 from tangram_sgl.attention.forward_step import AttentionContext, ForwardStep
 from tangram_sgl.attention.segment_scoring import PreRope, config_pre_rope, needs_pre_rope
 from tangram_sgl.attention.servable import PREFILL_GRAPH_BACKENDS, TangramNotServable, overlap_conflict
+from tangram_sgl.kernels.extend import warm_up_extend
 from tangram_sgl.pool.sglang_kv_cache import TangramKVCache
 from tangram_sgl.profile import TangramProfile
 
@@ -124,6 +125,14 @@ class TangramAttnBackend(AttentionBackend):
             self.context.flashinfer_extend.warm_up(profile.model.num_attention_heads, profile.model.head_dim,
                                                    model_runner.dtype, self.manager.pool.k_buffer.dtype)
             logger.info("tangram: FlashInfer extend kernels warmed up (JIT-compiled if new) in %.1f s",
+                        time.perf_counter() - t0)
+        if self.context.triton_extend:
+            t0 = time.perf_counter()
+            pool, lay = self.manager.pool, self.manager.layout
+            n = warm_up_extend(profile.model.num_attention_heads, pool.k_buffer, pool.v_buffer,
+                               self.context.head_group[0], self.context.head_column[0], lay.num_groups,
+                               model_runner.dtype)
+            logger.info("tangram: %d variants of the Triton extend kernel warmed up (compiled if new) in %.1f s", n,
                         time.perf_counter() - t0)
         self.num_layers = self.manager.layout.num_layers
         self.step: ForwardStep | GraphDecodeStep | CaptureExtendStep | None = None

@@ -112,6 +112,11 @@ class AttentionContext:
                    torch.tensor(order, dtype=torch.int32, device=dev), fi,
                    MIXED_FLASHINFER_MIN_NEW if extend_kernel == "mixed" else 0)
 
+    @property
+    def triton_extend(self) -> bool:
+        """Whether steps may run the Triton extend kernel (alone, or for question-sized steps under ``mixed``)."""
+        return self.kernels.name == "triton" and (self.flashinfer_extend is None or self.flashinfer_min_new > 0)
+
     def decode_splits(self, batch_size: int) -> tuple[torch.Tensor, int]:
         """(int32 ``[G]`` splits on the device, the bucket's max) of the AOT row for ``batch_size``."""
         b = self.aot.bucket_index(batch_size)
