@@ -21,6 +21,7 @@
 #   grid_stock / grid_r025 / grid_r05 / grid_r1   one server start each: the short class (4k documents) at 8, 32 and
 #           128 concurrent sessions (TTFT vs load) and the mid class (16k) at 64, a ${GRID_SECONDS:-60} s window each
 #           (GRID_CONTEXTS overrides the classes); grid_stock_nooverlap: stock with --disable-overlap-schedule;
+#           grid_pair_r1: stock and tangram r1 in one call (one machine for both, whatever happens between calls);
 #           grid_r1_bcg / grid_r025_bcg: tangram with breakable prefill CUDA graphs (its default in sessions 18-19;
 #           session 20 measured them no faster, so prefill runs eagerly by default); grid_r1_fi / grid_r025_fi:
 #           --tangram-extend-kernel flashinfer for every extend step (the default, mixed, runs question-sized ones in Triton);
@@ -220,6 +221,10 @@ stage_grid_r025() { grid_run r025 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b
 stage_grid_r05() { grid_run r05 tangram:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.5.json; }
 stage_grid_r1() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   grid_run r1 tangram:/tmp/llama-3.1-8b.uniform.r1.0.json; }
+# stock and tangram r1 in one call (two server starts, the same machine for certain: a machine lost between calls
+# leaves no same-machine baseline); GRID_CONTEXTS should fit the GPU's memory (short=4096@8,32,64 on an H100)
+stage_grid_pair_r1() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
+  grid_run pair_r1 stock:flashinfer tangram:/tmp/llama-3.1-8b.uniform.r1.0.json; }
 # --tangram-extend-kernel flashinfer: FlashInfer for question-sized steps too (the default before session 13)
 stage_grid_r1_fi() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   grid_run r1_fi tangram@flashinfer:/tmp/llama-3.1-8b.uniform.r1.0.json; }
