@@ -226,7 +226,7 @@ def warm_up_extend(num_q_heads: int, k_buffer: torch.Tensor, v_buffer: torch.Ten
     Returns the number of launches."""
     dev, D, hkv = k_buffer.device, k_buffer.shape[-1], head_group.shape[0]
     q = torch.zeros((1, num_q_heads, D), dtype=q_dtype, device=dev)
-    kv_new = torch.zeros((1, hkv, D), dtype=k_buffer.dtype, device=dev)
+    kv_new = torch.zeros((1, hkv, D), dtype=q_dtype, device=dev)  # the step's own K/V: the model's dtype
     qo_indptr = torch.tensor([0, 1], dtype=torch.int32, device=dev)
     kv_indptr = torch.zeros(num_groups + 1, dtype=torch.int32, device=dev)
     splits = [1] + [1 << i for i in range(1, EXTEND_MAX_SPLITS.bit_length())]
