@@ -29,6 +29,7 @@ def _accuracy_sources(name: str, scorer: str, model: str, kept: dict[str, str]) 
 
 # (issue, target, [(result name, summary metric), ...] whose values are shown together)
 LONG, GRID = "bench_serving_long", "bench_serving_grid"
+LONG_H100, GRID_H100 = "bench_serving_long_h100", "bench_serving_grid_h100"
 KERNELS, SHORT_KERNELS = "bench_kernels_study", "bench_kernels_short"
 HEADLINES = (
     (5, "long class (48k documents), budget 0.25: output tok/s >= 3.0x stock",
@@ -42,6 +43,10 @@ HEADLINES = (
      [(GRID, "tangram_flashinfer_llama-3.1-8b.uniform.r1.0 mid: throughput vs stock_flashinfer")]),
     (5, "budget 1.0 >= 0.95x stock: short class (4k documents) at 8 / 32 / 128 sessions",
      [(GRID, f"{R1} short x{n}: throughput vs stock_flashinfer") for n in (8, 32, 128)]),
+    (5, ("budget 1.0 >= 0.95x stock, H100 (its KV pool holds 64 short sessions): short class at 8 / 32 / 64 sessions, "
+         "then long class"),
+     [(GRID_H100, f"{R1} short x{n}: throughput vs stock_flashinfer") for n in (8, 32, 64)]
+     + [(LONG_H100, f"{R1} long: throughput vs stock_flashinfer")]),
     (5, ("accuracy, SmolLM2-135M (CPU path, 3 seeds pooled), tangram >= uniform at 0.5 and 0.25, and within 5 points "
          "of full at 0.5; shown: tangram / uniform @0.5, tangram / uniform @0.25, full"),
      _accuracy_sources("accuracy_cpu_p31_pooled", "[snapkv:pool_kernel=31]", "",
