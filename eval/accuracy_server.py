@@ -15,7 +15,7 @@ not expected everywhere (the greedy floor between two stock bf16 backends is in
 ``--replays DIR`` compares the replay files an earlier run wrote to DIR instead of starting servers (the GPU
 run made while its CPU run was still going, compared once the CPU results exist; the conversations depend only
 on the CPU run's tasks, samples, seed and sizes). The earlier run's ``<name>.json`` in DIR names the machine
-and versions that measured them.
+and versions that measured them; without it (a run cut off after its replays), the replay files' own records do.
 """
 
 from __future__ import annotations
@@ -43,6 +43,20 @@ def rebuild_conversations(cpu: dict, tokenizer) -> list:
                                                                 cpu["seed"])]
 
 
+CONVERSATION_KEYS = ("model", "quick", "seed", "tasks", "samples_per_task", "sizes", "max_new_tokens")
+
+
+def load_cpu_runs(paths: list[Path]) -> dict:
+    """The ``data`` of one CPU accuracy run, or of several runs over the same conversations (e.g. one per budget)
+    with their turns joined; runs over other conversations are refused."""
+    runs = [json.loads(p.read_text())["data"] for p in paths]
+    for path, run in zip(paths[1:], runs[1:]):
+        differ = [k for k in CONVERSATION_KEYS if run[k] != runs[0][k]]
+        if differ:
+            raise SystemExit(f"{path}: other conversations than {paths[0]} (differs in {', '.join(differ)})")
+    return {**runs[0], "turns": [t for run in runs for t in run["turns"]]}
+
+
 def cpu_label(profile: str | None) -> str:
     """The CPU method a server is compared with: full KV for stock SGLang, tangram at the profile's target."""
     return "full" if profile is None else f"tangram@{load_profile(profile).target_ratio:g}"
@@ -61,10 +75,29 @@ def replay_on_server(a: argparse.Namespace, label: str, profile: str | None, ext
                        check=False, timeout=900, cwd=a.out)
 
 
+def replays_machine(folder: Path, name: str, labels: list[str]) -> dict:
+    """``{"versions", "device"}`` of the run that wrote the replays in ``folder``: its own ``<name>.json``, or,
+    when that run was cut off before writing it, the environment every replay file records (which must agree)."""
+    earlier = folder / f"{name}.json"
+    if earlier.exists():
+        return {k: json.loads(earlier.read_text())[k] for k in ("versions", "device")}
+    envs = []
+    for label in labels:
+        replay = folder / f"replay_accuracy_{label}.json"
+        if not replay.exists():
+            raise SystemExit(f"{replay}: no replay of server {label} there")
+        envs.append(json.loads(replay.read_text())["environment"])
+    if any(e != envs[0] for e in envs):
+        raise SystemExit(f"{folder}: the replays were written on different machines: {envs}")
+    env = dict(envs[0])
+    return {"device": env.pop("gpu", None) or env["platform"], "versions": env}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", required=True, help="the HF directory of the model the CPU run used")
-    p.add_argument("--cpu", type=Path, required=True, help="results JSON of eval/accuracy.py")
+    p.add_argument("--cpu", type=Path, nargs="+", required=True,
+                   help="results JSON of eval/accuracy.py; several: runs of the same conversations (other budgets)")
     p.add_argument("--servers", nargs="+", required=True, help="stock:<attention backend> | tangram:<profile>")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--name", default="accuracy_server", help="result name (<out>/<name>.json)")
@@ -76,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
 
-    cpu = json.loads(a.cpu.read_text())["data"]
+    cpu = load_cpu_runs(a.cpu)
     conv_file = a.out / "accuracy_conversations.json"
     if not a.replays:
         convs = rebuild_conversations(cpu, AutoTokenizer.from_pretrained(a.model_path))
@@ -85,10 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                   r["conversation"], r["turn"]): r for r in cpu["turns"]}
     runs, summary, measured_on = [], [], None
     if a.replays:
-        earlier = a.replays / f"{a.name}.json"
-        if not earlier.exists():
-            raise SystemExit(f"{earlier}: the run that wrote the replays is not there (its machine and versions)")
-        measured_on = {k: json.loads(earlier.read_text())[k] for k in ("versions", "device")}
+        measured_on = replays_machine(a.replays, a.name, [parse_server_spec(s)[0] for s in a.servers])
     for spec in a.servers:
         label, profile, extra = parse_server_spec(spec)
         out = (a.replays or a.out) / f"replay_accuracy_{label}.json"
@@ -99,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = json.loads(out.read_text()) if out.exists() else None
         turns = doc["turns"] if doc else []
         method = cpu_label(profile)
+        if not any(key[0] == method for key in cpu_turns):
+            raise SystemExit(f"server {spec}: the CPU results {[c.name for c in a.cpu]} have no {method} turns")
         pairs = [(t, cpu_turns.get((method, t["session"], t["turn"]))) for t in turns if t["error"] is None]
         pairs = [(t, c) for t, c in pairs if c is not None and c["answer"] is not None]
         hits = sum(contains(t["expected"], t["answer"]) for t, _ in pairs)
@@ -112,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     summary_row(f"{label}: CPU reference {method} on the same turns", round(100 * cpu_hits / n, 1),
                                 "%"),
                     summary_row(f"{label}: answers identical to the CPU reference", round(100 * same / n, 1), "%")]
-    path = write_result(a.name, {"cpu_results": a.cpu.name, "runs": runs}, summary, directory=a.out,
+    path = write_result(a.name, {"cpu_results": [c.name for c in a.cpu], "runs": runs}, summary, directory=a.out,
                         measured_on=measured_on)
     print(json.dumps(summary, indent=1))
     print("wrote", path)

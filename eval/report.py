@@ -14,6 +14,7 @@ HEAD_START, HEAD_END = "<!-- targets-table:start -->", "<!-- targets-table:end -
 R1 = "tangram_mixed_ov_llama-3.1-8b.uniform.r1.0"
 QWEN_R05 = "tangram_flashinfer_qwen2.5-coder-0.5b-instruct.snapkv-p31.r0.5"
 QWEN_R025 = "tangram_flashinfer_qwen2.5-coder-0.5b-instruct.snapkv-p31.r0.25"
+QWEN_EA = "tangram_mixed_ov_qwen2.5-coder-0.5b-instruct.ea.r{}"
 SMOL_R05 = "tangram_mixed_bcg_ov_smollm2-135m-instruct.snapkv-p31.r0.5"
 
 
@@ -61,6 +62,10 @@ HEADLINES = (
       ("accuracy_server_qwen", f"{QWEN_R05}: CPU reference tangram@0.5 on the same turns"),
       ("accuracy_server_qwen", f"{QWEN_R025}: answers containing the expected text"),
       ("accuracy_server_qwen", f"{QWEN_R025}: CPU reference tangram@0.25 on the same turns")]),
+    (5, ("accuracy, GPU server / CPU path on the same turns (Qwen, expected_attention r0.5, then r0.25: the profiles "
+         "of the pooled row above)"),
+     [("accuracy_server_qwen_ea", f"{QWEN_EA.format(b)}: {m}") for b in ("0.5", "0.25")
+      for m in ("answers containing the expected text", f"CPU reference tangram@{b} on the same turns")]),
     (5, "accuracy, GPU server / CPU path on the same turns (SmolLM2, snapkv pool-31 r0.5, then stock / full KV)",
      [("accuracy_server_p31", f"{SMOL_R05}: answers containing the expected text"),
       ("accuracy_server_p31", f"{SMOL_R05}: CPU reference tangram@0.5 on the same turns"),

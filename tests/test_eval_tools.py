@@ -303,6 +303,39 @@ def test_accuracy_server_rebuilds_the_cpu_runs_conversations():
     assert rebuilt == {(r["conversation"], r["turn"]): r["expected"] for r in cpu["turns"]}
 
 
+def _cpu_run(path: Path, budget: float, seed: int = 2000) -> Path:
+    data = {"model": "m", "quick": True, "seed": seed, "tasks": ["needle"], "samples_per_task": 2, "sizes": [64],
+            "max_new_tokens": 8,
+            "turns": [{"method": "tangram", "budget": budget, "conversation": "c0", "turn": 0, "answer": "a"}]}
+    path.write_text(json.dumps({"data": data}))
+    return path
+
+
+def test_accuracy_server_joins_cpu_runs_of_the_same_conversations_only(tmp_path):
+    """Runs of one seed at other budgets join into one set of turns; a run over other conversations is refused."""
+    joined = accuracy_server.load_cpu_runs([_cpu_run(tmp_path / "a.json", 0.5), _cpu_run(tmp_path / "b.json", 0.25)])
+    assert sorted(t["budget"] for t in joined["turns"]) == [0.25, 0.5]
+    with pytest.raises(SystemExit, match="differs in seed"):
+        accuracy_server.load_cpu_runs([tmp_path / "a.json", _cpu_run(tmp_path / "c.json", 0.25, seed=3000)])
+
+
+def test_accuracy_server_replays_name_their_machine_without_the_cut_off_run(tmp_path):
+    """``--replays`` of a run cut off before it wrote its result: the machine comes from the replay files, which
+    must agree; a missing replay is an error."""
+    env = {"torch": "2.11.0+cu130", "tangram_sgl": "0.1.0", "platform": "Linux", "gpu": "NVIDIA H100 80GB HBM3"}
+    for label in ("stock_triton", "tangram_x"):
+        (tmp_path / f"replay_accuracy_{label}.json").write_text(json.dumps({"environment": env}))
+    machine = accuracy_server.replays_machine(tmp_path, "acc", ["stock_triton", "tangram_x"])
+    assert machine["device"] == "NVIDIA H100 80GB HBM3" and machine["versions"]["torch"] == "2.11.0+cu130"
+    with pytest.raises(SystemExit, match="no replay of server tangram_y"):
+        accuracy_server.replays_machine(tmp_path, "acc", ["stock_triton", "tangram_y"])
+    (tmp_path / "replay_accuracy_tangram_x.json").write_text(json.dumps({"environment": {**env, "gpu": "H200"}}))
+    with pytest.raises(SystemExit, match="different machines"):
+        accuracy_server.replays_machine(tmp_path, "acc", ["stock_triton", "tangram_x"])
+    (tmp_path / "acc.json").write_text(json.dumps({"versions": {"sglang": "0.5.17"}, "device": "NVIDIA H200"}))
+    assert accuracy_server.replays_machine(tmp_path, "acc", ["stock_triton"])["device"] == "NVIDIA H200"
+
+
 
 def test_server_specs():
     from server_proc import parse_server_spec

@@ -30,7 +30,7 @@
 #           sessions first run): SGLang's profiler over N steps of each such replay, GPU time
 #           per kernel in the result (bench_serving_grid_<x>_trace.json; eval/server_trace.py; never merged)
 #   accuracy_qwen  eval/accuracy_server.py on Qwen2.5-Coder-0.5B (stock triton, tangram r0.5 / r0.25) on its CPU run's
-#           conversations, after qwen_join (the GGUF sent as .device-carry/qwen/partNN, one call each, in /tmp/qwen);
+#           conversations, after qwen_join (the GGUF sent as .device-carry/qwen/part00..09, one call each, in /tmp/qwen);
 #           accuracy_qwen_ea the same with the expected_attention profiles on their CPU run's conversations
 #   soak    eval/soak.py: overload with invariant checks (one 10-minute call holds ~7 minutes of load)
 #   soak_start, soak_finish   the same over two back-to-back calls (6.5 + 3.5 minutes of load on one server)
