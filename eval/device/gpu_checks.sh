@@ -291,11 +291,15 @@ stage_qwen_join() {
 }
 stage_accuracy_qwen() { accuracy_qwen_run snapkv-p31 ""; }
 # the same with the expected_attention profiles (the backend rebuilds RoPE from the config to score pre-RoPE queries)
-stage_accuracy_qwen_ea() { accuracy_qwen_run ea _ea; }
+# (its CPU run is two files, one per budget, over the same conversations)
+stage_accuracy_qwen_ea() {
+  QWEN_CPU="${QWEN_CPU:-$R/eval/results/accuracy_cpu_qwen_ea.json $R/eval/results/accuracy_cpu_qwen_ea_r025.json}" \
+    accuracy_qwen_run ea _ea
+}
 accuracy_qwen_run() {  # profile slug $1, result suffix $2 (the CPU run's file has the same suffix)
   local p="$R"/tangram_sgl/profiles/qwen2.5-coder-0.5b-instruct."$1"
   timeout 580 python3 eval/accuracy_server.py --model-path "$QWEN" --out "$OUT" --name "accuracy_server_qwen$2" \
-    --cpu "${QWEN_CPU:-$R/eval/results/accuracy_cpu_qwen$2.json}" --servers stock:triton \
+    --cpu ${QWEN_CPU:-$R/eval/results/accuracy_cpu_qwen$2.json} --servers stock:triton \
     tangram:"$p".r0.5.json tangram:"$p".r0.25.json 2>&1 | tail -40
 }
 stage_stephost() {
