@@ -415,6 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in mine:
             tput = r["summary"]["output_tokens_per_s"]
             summary.append(summary_row(f"{r['label']} {name}: output tokens/s", round(tput, 1), "tok/s"))
+            later = r["summary"].get("later_turns")
+            for key, what in (("ttft_s", "TTFT"), ("tpot_s", "TPOT")):
+                if later and later[key]:
+                    summary.append(summary_row(f"{r['label']} {name}: later turns' {what} p50 ({later['turns']} turns)",
+                                               round(later[key]["p50"] * 1000, 1), "ms"))
             if "gpu_busy_us" in r.get("trace", {}):
                 t = r["trace"]
                 summary.append(summary_row(f"{r['label']} {name}: traced, GPU busy per step ({t['steps']} steps; "

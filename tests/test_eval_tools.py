@@ -101,12 +101,16 @@ def test_bench_load_sweep_is_summarised_and_plotted_per_concurrency(tmp_path):
                          "target_ratio": None if server.startswith("stock") else 0.25,
                          "summary": {"output_tokens_per_s": tput * conc, "turns_cut": 0, "wall_s": 60.0,
                                      "ttft_s": {"p50": 0.1 * conc, "p90": 0.2 * conc}}})
+    runs[1]["summary"]["later_turns"] = {"turns": 128, "ttft_s": {"p50": 0.0625}, "tpot_s": {"p50": 0.0082}}
     old["data"] = {"runs": runs, "args": old["data"]["args"] | {"concurrency": "[8, 32]"}}
     (tmp_path / "sweep.json").write_text(json.dumps(old))
     bench_serving.main(["--merge", str(tmp_path / "sweep.json"), "--name", "m", "--out", str(tmp_path / "o")])
     rows = {r["metric"]: r["value"] for r in json.loads((tmp_path / "o" / "m.json").read_text())["summary"]}
     assert rows["tangram_p short x8: throughput vs stock_flashinfer"] == 3.0
     assert rows["stock_flashinfer short x32: output tokens/s"] == 320.0
+    assert rows["stock_flashinfer short x32: later turns' TTFT p50 (128 turns)"] == 62.5
+    assert rows["stock_flashinfer short x32: later turns' TPOT p50 (128 turns)"] == 8.2
+    assert not any("later turns" in m for m in rows if "x8" in m)  # files from before the figure: no row
     assert (tmp_path / "o" / "m_load.png").stat().st_size > 10_000
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from tangram_sgl.replay.conversation import Conversation, Turn
 from tangram_sgl.replay.openai_driver import EndpointConfig, arrival_delays, replay_endpoint
-from tangram_sgl.replay.records import summarize
+from tangram_sgl.replay.records import TurnRecord, summarize
 
 TOKEN_DELAY_S = 0.01
 
@@ -127,6 +127,18 @@ def test_history_is_resent_and_metrics_recorded(fake_server):
     assert s["turns_ok"] == 9 and s["errors"] == 0 and s["output_tokens"] == 36
     assert 0 < s["cache_hit_ratio"] < 1
     assert s["ttft_s"]["p50"] > 0
+
+
+def test_summary_sets_the_later_turns_apart():
+    """Later turns (a prefix cache's turns) get their own TTFT/TPOT percentiles; failed and cut turns count in
+    neither."""
+    recs = [TurnRecord("a", 0, 0.0, ttft_s=1.0, tpot_s=0.01), TurnRecord("a", 1, 2.0, ttft_s=0.1, tpot_s=0.02),
+            TurnRecord("a", 2, 3.0, ttft_s=0.3, tpot_s=0.04), TurnRecord("b", 0, 0.0, ttft_s=2.0, tpot_s=0.01),
+            TurnRecord("b", 1, 2.5, error="HTTP 500", ttft_s=9.0), TurnRecord("b", 2, 4.0, ttft_s=9.0, cut=True)]
+    later = summarize(recs, 5.0)["later_turns"]
+    assert later["turns"] == 2
+    assert later["ttft_s"]["p50"] == pytest.approx(0.2) and later["tpot_s"]["max"] == pytest.approx(0.04)
+    assert "later_turns" not in summarize(recs[:1], 1.0)
 
 
 def test_failed_turn_is_recorded_and_ends_session(fake_server):

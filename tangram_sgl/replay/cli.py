@@ -202,6 +202,11 @@ def _print_summary(console: Any, s: dict) -> None:
                   f"{s['requests_per_s']:.2f} req/s, {s['output_tokens_per_s']:.1f} output tok/s, "
                   f"TTFT p50 {ms(s['ttft_s'], 'p50')} p90 {ms(s['ttft_s'], 'p90')}, "
                   f"TPOT p50 {ms(s['tpot_s'], 'p50')} p90 {ms(s['tpot_s'], 'p90')}")
+    if s.get("later_turns"):
+        later = s["later_turns"]
+        console.print(f"later turns ({later['turns']}, after each conversation's first): TTFT p50 "
+                      f"{ms(later['ttft_s'], 'p50')} p90 {ms(later['ttft_s'], 'p90')}, TPOT p50 "
+                      f"{ms(later['tpot_s'], 'p50')}")
     if s.get("cache_hit_ratio") is not None:
         console.print(f"prefix cache hits: {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens "
                       f"({s['cache_hit_ratio']:.0%})")

@@ -57,7 +57,8 @@ def _percentiles(values: Sequence[float]) -> dict[str, float] | None:
 
 
 def summarize(records: Sequence[TurnRecord], wall_s: float) -> dict[str, Any]:
-    """Throughput, latency percentiles, cache hits and errors over all turns."""
+    """Throughput, latency percentiles, cache hits and errors over all turns; the latency percentiles of the later
+    turns (every turn after a conversation's first) apart too, the ones a prefix cache serves."""
     ok = [r for r in records if r.ok]
     out_tokens = sum(r.output_tokens or 0 for r in ok)
     prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
@@ -81,6 +82,11 @@ def summarize(records: Sequence[TurnRecord], wall_s: float) -> dict[str, Any]:
         "tpot_s": _percentiles([r.tpot_s for r in ok if r.tpot_s is not None]),
         "latency_s": _percentiles([r.latency_s for r in ok if r.latency_s is not None]),
     }
+    later = [r for r in ok if r.turn > 0]  # follow-up turns: their conversation's earlier turns can be cached
+    if later:
+        summary["later_turns"] = {"turns": len(later),
+                                  "ttft_s": _percentiles([r.ttft_s for r in later if r.ttft_s is not None]),
+                                  "tpot_s": _percentiles([r.tpot_s for r in later if r.tpot_s is not None])}
     with_kv = [r for r in ok if r.kv_bytes_kept is not None]
     if with_kv:
         last = {}
