@@ -26,7 +26,7 @@ from tangram_sgl.pool.device_slot_lists import DeviceSlotLists
 from tangram_sgl.pool.group_page_pool import GroupPagePool
 from tangram_sgl.pool.request_kv import UNRESOLVED, PrefixMatch, RequestKV
 from tangram_sgl.pool.reservation import AdmissionError, PendingSegment, SegmentWrites, kept_counts
-from tangram_sgl.pool.segment import GroupSlots, Segment, csr_slot_lists, page_list_slots
+from tangram_sgl.pool.segment import GroupSlots, Segment, csr_slot_lists
 from tangram_sgl.pool.step_writes import CompressedWrites, FullSegmentWrites
 from tangram_sgl.profile import TangramProfile
 from tangram_sgl.radix.tree import SegmentNode, SegmentTree
@@ -223,12 +223,15 @@ class TangramKVManager:
 
     def _reserved_slot_table(self, pages: np.ndarray, firsts: np.ndarray, counts: np.ndarray) -> torch.Tensor:
         """int64 [G, max(k_g, 1)]: row g holds the first k_g slots of group g's pages (zeros past them), group g's
-        pages starting at ``pages[firsts[g]]`` (one vectorized gather)."""
-        table = np.zeros((len(counts), max(int(counts.max(initial=0)), 1)), dtype=np.int64)
-        # row-major order of the valid cells is the lists' order, end to end
-        table[np.arange(table.shape[1])[None, :] < counts[:, None]] = page_list_slots(
-            *(torch.from_numpy(a) for a in (pages, firsts, counts)), self.page_size, int(counts.sum())).numpy()
-        return torch.from_numpy(table)
+        pages starting at ``pages[firsts[g]]``; numpy on the host (a question's table is ~1k cells, where each
+        torch call on small CPU tensors cost more than the whole numpy table, ``bench_step_host --host-only``)."""
+        ps = self.page_size
+        j = np.arange(max(int(counts.max(initial=0)), 1))
+        valid = j[None, :] < counts[:, None]
+        if not valid.any():
+            return torch.zeros(valid.shape, dtype=torch.int64)
+        page = pages[np.where(valid, firsts[:, None] + j // ps, 0)]
+        return torch.from_numpy(np.where(valid, page * ps + j % ps, 0).astype(np.int64, copy=False))
 
     def write_segment_layer(self, rid: Hashable, layer: int, k: torch.Tensor, v: torch.Tensor,
                             scores: torch.Tensor) -> None:
