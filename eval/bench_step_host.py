@@ -119,13 +119,15 @@ def write_layers(kv: TangramKVManager, rid: str, n: int, gen: torch.Generator, d
 
 def admission_us(kv: TangramKVManager, rids: list[str], question: int, decode: int) -> dict[str, list]:
     """What the scheduler's hooks cost per request on a question turn (microseconds, one per session): each session
-    finishes (its context goes into the radix tree), then a new request on its tokens plus ``question`` more is
-    matched (``match_prefix``), attached and reserved (the ``alloc_for_extend`` hook), then aborted; ``matched``: the
-    cached tokens each match found."""
-    out: dict[str, list[float]] = {"match": [], "attach": [], "reserve": [], "matched": []}
+    finishes (``finish``: its context goes into the radix tree, ``cache_finished_req``), then a new request on its
+    tokens plus ``question`` more is matched (``match_prefix``), attached and reserved (the ``alloc_for_extend``
+    hook), then aborted; ``matched``: the cached tokens each match found."""
+    out: dict[str, list[float]] = {"finish": [], "match": [], "attach": [], "reserve": [], "matched": []}
     for rid in rids:
         tokens = list(kv.requests[rid].token_ids)
+        tf = time.perf_counter()
         kv.finish(rid)
+        out["finish"].append((time.perf_counter() - tf) * 1e6)
         tokens += [7] * question
         t0 = time.perf_counter()
         node, _ = kv.tree.match(tokens)
@@ -135,7 +137,7 @@ def admission_us(kv: TangramKVManager, rids: list[str], question: int, decode: i
         kv.reserve(rid, tokens[node.end:], decode)
         t3 = time.perf_counter()
         kv.abort(rid)
-        for key, dt in zip(out, (t1 - t0, t2 - t1, t3 - t2)):
+        for key, dt in zip(("match", "attach", "reserve"), (t1 - t0, t2 - t1, t3 - t2)):
             out[key].append(dt * 1e6)
         out["matched"].append(node.end)
     return out

@@ -470,7 +470,7 @@ def test_trace_steps_charge_gpu_idle_to_the_step_that_ends_it_and_list_host_wait
 
 def test_bench_step_host_measures_admission_on_the_host(tmp_path):
     """``bench_step_host --host-only`` (the CPU figures of the scheduler's per-request hooks): every session's
-    context goes into the radix tree, then a question turn on it is matched whole, attached and reserved."""
+    context goes into the radix tree (finish), then a question turn on it is matched whole, attached and reserved."""
     import bench_step_host
 
     assert bench_step_host.main(["--host-only", "--requests", "2", "--context", "64", "--chunk", "32", "--head-dim",
@@ -479,7 +479,7 @@ def test_bench_step_host_measures_admission_on_the_host(tmp_path):
     data = json.loads((tmp_path / "t.json").read_text())["data"]
     adm = data["admission_us"]
     assert adm.pop("matched") == [64 + 2] * 2  # the whole context and both decoded tokens come from the tree
-    assert {k: len(v) for k, v in adm.items()} == {"match": 2, "attach": 2, "reserve": 2}
+    assert {k: len(v) for k, v in adm.items()} == {"finish": 2, "match": 2, "attach": 2, "reserve": 2}
     assert all(t > 0 for v in adm.values() for t in v)
 
 
