@@ -25,6 +25,7 @@
 #           grid_r1_bcg / grid_r025_bcg: tangram with breakable prefill CUDA graphs (its default in sessions 18-19;
 #           session 20 measured them no faster, so prefill runs eagerly by default); grid_r1_fi / grid_r025_fi:
 #           --tangram-extend-kernel flashinfer for every extend step (the default, mixed, runs question-sized ones in Triton);
+#           grid_r1_triton: the Triton kernel for every extend step (no FlashInfer JIT at start: quick traced runs);
 #           grid_r1_nooverlap: --disable-overlap-schedule (tangram's default before session 16)
 #           TRACE_STEPS=N (TRACE_AT="ctx@conc ...", default short@8; TRACE_DELAY=S starts it S seconds after 3/4 of the
 #           sessions first run): SGLang's profiler over N steps of each such replay, GPU time
@@ -229,6 +230,10 @@ stage_grid_pair_r1() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
 stage_grid_r1_fi() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   grid_run r1_fi tangram@flashinfer:/tmp/llama-3.1-8b.uniform.r1.0.json; }
 stage_grid_r025_fi() { grid_run r025_fi tangram@flashinfer:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
+# --tangram-extend-kernel triton: no FlashInfer extend to JIT-compile at start (a fresh machine's tangram server is
+# ready ~2 minutes sooner); question-sized steps run the same Triton kernel as under the default (mixed)
+stage_grid_r1_triton() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
+  grid_run r1_triton tangram@triton:/tmp/llama-3.1-8b.uniform.r1.0.json; }
 # with breakable prefill CUDA graphs (--cuda-graph-backend-prefill breakable; tangram's default in sessions 18-19)
 stage_grid_r1_bcg() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   grid_run r1_bcg tangram-bcg:/tmp/llama-3.1-8b.uniform.r1.0.json; }
