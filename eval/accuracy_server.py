@@ -113,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     cpu_turns = {(r["method"] if r["method"] == "full" else f"{r['method']}@{r['budget']:g}",
                   r["conversation"], r["turn"]): r for r in cpu["turns"]}
     servers = [parse_server_spec(spec) for spec in a.servers]
-    for spec, (_, profile, _) in zip(a.servers, servers):  # before any server starts
-        if not any(key[0] == cpu_label(profile) for key in cpu_turns):
-            raise SystemExit(f"server {spec}: the CPU results {[c.name for c in a.cpu]} have no "
-                             f"{cpu_label(profile)} turns")
+    methods = [cpu_label(profile) for _, profile, _ in servers]  # each server's CPU method (its profile read once)
+    cpu_methods = {key[0] for key in cpu_turns}
+    for spec, method in zip(a.servers, methods):  # before any server starts
+        if method not in cpu_methods:
+            raise SystemExit(f"server {spec}: the CPU results {[c.name for c in a.cpu]} have no {method} turns")
     conv_file = a.out / "accuracy_conversations.json"
     if not a.replays:
         convs = rebuild_conversations(cpu, AutoTokenizer.from_pretrained(a.model_path))
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, summary, measured_on = [], [], None
     if a.replays:
         measured_on = replays_machine(a.replays, a.name, [label for label, _, _ in servers])
-    for spec, (label, profile, extra) in zip(a.servers, servers):
+    for spec, (label, profile, extra), method in zip(a.servers, servers, methods):
         out = (a.replays or a.out) / f"replay_accuracy_{label}.json"
         if not a.replays:
             replay_on_server(a, label, profile, extra, conv_file, cpu["max_new_tokens"], out)
@@ -132,7 +133,6 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{out}: no replay of server {spec} there")
         doc = json.loads(out.read_text()) if out.exists() else None
         turns = doc["turns"] if doc else []
-        method = cpu_label(profile)
         pairs = [(t, cpu_turns.get((method, t["session"], t["turn"]))) for t in turns if t["error"] is None]
         pairs = [(t, c) for t, c in pairs if c is not None and c["answer"] is not None]
         hits = sum(contains(t["expected"], t["answer"]) for t, _ in pairs)

@@ -56,6 +56,11 @@ def _percentiles(values: Sequence[float]) -> dict[str, float] | None:
     return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99), "max": float(a.max())}
 
 
+def _latency(records: Sequence[TurnRecord], name: str) -> dict[str, float] | None:
+    """Percentiles of the turns' ``name`` figure (``ttft_s``, ``tpot_s``, ``latency_s``) where it was measured."""
+    return _percentiles([v for r in records if (v := getattr(r, name)) is not None])
+
+
 def summarize(records: Sequence[TurnRecord], wall_s: float) -> dict[str, Any]:
     """Throughput, latency percentiles, cache hits and errors over all turns; the latency percentiles of the later
     turns (every turn after a conversation's first) apart too, the ones a prefix cache serves."""
@@ -78,15 +83,14 @@ def summarize(records: Sequence[TurnRecord], wall_s: float) -> dict[str, Any]:
         "output_tokens": out_tokens,
         "cached_tokens": cached if reported else None,
         "cache_hit_ratio": cached / sum(r.prompt_tokens or 0 for r in reported) if reported and prompt_tokens else None,
-        "ttft_s": _percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "tpot_s": _percentiles([r.tpot_s for r in ok if r.tpot_s is not None]),
-        "latency_s": _percentiles([r.latency_s for r in ok if r.latency_s is not None]),
+        "ttft_s": _latency(ok, "ttft_s"),
+        "tpot_s": _latency(ok, "tpot_s"),
+        "latency_s": _latency(ok, "latency_s"),
     }
     later = [r for r in ok if r.turn > 0]  # follow-up turns: their conversation's earlier turns can be cached
     if later:
-        summary["later_turns"] = {"turns": len(later),
-                                  "ttft_s": _percentiles([r.ttft_s for r in later if r.ttft_s is not None]),
-                                  "tpot_s": _percentiles([r.tpot_s for r in later if r.tpot_s is not None])}
+        summary["later_turns"] = {"turns": len(later), "ttft_s": _latency(later, "ttft_s"),
+                                  "tpot_s": _latency(later, "tpot_s")}
     with_kv = [r for r in ok if r.kv_bytes_kept is not None]
     if with_kv:
         last = {}
