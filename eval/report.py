@@ -18,12 +18,13 @@ QWEN_EA = "tangram_mixed_ov_qwen2.5-coder-0.5b-instruct.ea.r{}"
 SMOL_R05 = "tangram_mixed_bcg_ov_smollm2-135m-instruct.snapkv-p31.r0.5"
 
 
-def _accuracy_sources(name: str, scorer: str, model: str, kept: dict[str, str]) -> list[tuple[str, str]]:
-    """The (result, metric) pairs of a pooled accuracy result over 240 turns, in the order tangram / uniform @0.5,
-    tangram / uniform @0.25, full (``kept``: each method's "KV kept" figure as its metric names it)."""
+def _accuracy_sources(name: str, scorer: str, model: str, turns: int,
+                      kept: dict[str, str]) -> list[tuple[str, str]]:
+    """The (result, metric) pairs of a pooled accuracy result over ``turns`` turns, in the order tangram / uniform
+    @0.5, tangram / uniform @0.25, full (``kept``: each method's "KV kept" figure as its metric names it)."""
     def metric(method: str) -> str:
         tag = "" if method == "full" else f" {scorer}"
-        return f"retrieval accuracy {method}{tag}{model} (n=240, KV kept {kept[method]})"
+        return f"retrieval accuracy {method}{tag}{model} (n={turns}, KV kept {kept[method]})"
 
     return [(name, metric(m)) for m in ("tangram@0.5", "uniform@0.5", "tangram@0.25", "uniform@0.25", "full")]
 
@@ -48,13 +49,13 @@ HEADLINES = (
          "then long class"),
      [(GRID_H100, f"{R1} short x{n}: throughput vs stock_flashinfer") for n in (8, 32, 64)]
      + [(LONG_H100, f"{R1} long: throughput vs stock_flashinfer")]),
-    (5, ("accuracy, SmolLM2-135M (CPU path, 3 seeds pooled), tangram >= uniform at 0.5 and 0.25, and within 5 points "
+    (5, ("accuracy, SmolLM2-135M (CPU path, 5 seeds pooled), tangram >= uniform at 0.5 and 0.25, and within 5 points "
          "of full at 0.5; shown: tangram / uniform @0.5, tangram / uniform @0.25, full"),
-     _accuracy_sources("accuracy_cpu_p31_pooled", "[snapkv:pool_kernel=31]", "",
-                       {"full": "1.000", "uniform@0.5": "0.595", "tangram@0.5": "0.607", "uniform@0.25": "0.360",
-                        "tangram@0.25": "0.371"})),
+     _accuracy_sources("accuracy_cpu_p31_pooled", "[snapkv:pool_kernel=31]", "", 400,
+                       {"full": "1.000", "uniform@0.5": "0.595", "tangram@0.5": "0.608", "uniform@0.25": "0.360",
+                        "tangram@0.25": "0.372"})),
     (5, "accuracy, Qwen2.5-Coder-0.5B (CPU path, 3 seeds pooled): the same, shown the same way",
-     _accuracy_sources("accuracy_cpu_qwen_ea_pooled", "[expected_attention]", " on Qwen2.5-Coder-0.5B-Instruct",
+     _accuracy_sources("accuracy_cpu_qwen_ea_pooled", "[expected_attention]", " on Qwen2.5-Coder-0.5B-Instruct", 240,
                        {"full": "1.000", "uniform@0.5": "0.595", "tangram@0.5": "0.617", "uniform@0.25": "0.359",
                         "tangram@0.25": "0.373"})),
     (5, "accuracy, GPU server / CPU path on the same turns (Qwen, snapkv r0.5, then r0.25)",

@@ -126,6 +126,8 @@ def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
     breakable graphs (``--cuda-graph-backend-prefill breakable``: the model body replays as captured segments,
     attention with its scoring and compaction runs eagerly between them) serve, but measured no faster than eager
     prefill with tangram (H200, short class, session 20: 0.68 / 0.91 / 0.85x stock against 0.96 / 0.94 / 0.84x);
+    ``--cuda-graph-max-bs-prefill N`` keeps them to steps of at most N tokens (session 25's traces: graphs cut a
+    question step's host time, eager prefill ran long chunks faster; that mix is not yet measured end to end);
     full and torch.compile prefill graphs asked for are refused. SGLang's overlap scheduler stays as the user set
     it (SGLang's default: on; ``--disable-overlap-schedule`` turns it off); with it, the settings that change the
     order or the lengths the radix hooks rely on are refused (docs/arch/attention.md).

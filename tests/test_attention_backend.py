@@ -1032,17 +1032,20 @@ def _two_row_extend_step(decode_tokens: int = 0):
 @pytest.mark.skipif(DEV != "cuda", reason="host-GPU synchronisation exists only on a CUDA device (GPU test stage)")
 def test_decode_step_build_never_synchronises_the_host():
     """What overlap scheduling needs beyond the CPU-tested order: building a decode step (rows without token ids,
-    slots opened, device lists appended) only queues GPU work — its host-to-device copies page-locked and
-    non-blocking (``pool/device_copy.py``); CUDA's sync debug mode raises on any host wait."""
+    slots opened, device lists uploaded or appended) only queues GPU work — its host-to-device copies page-locked
+    and non-blocking (``pool/device_copy.py``); CUDA's sync debug mode raises on any host wait. The first step
+    mixes both kinds of row ("b" uploaded, "a" appended): until session 25 its zero-fill and its choice of the
+    appended rows each copied a host value and waited (the session's 8-session trace: ~3 ms a question round)."""
     kv, ctx, step, (q, k, v) = _two_row_extend_step(decode_tokens=4)
     for layer in range(LAYERS):
         step.attend(layer, q, k, v, HEAD_DIM ** -0.5)
     step.commit()
-    ctx.step([StepRow(rid, len(kv.requests[rid].token_ids), 1, True) for rid in ("a", "b")])  # lists uploaded
+    ctx.step([StepRow("a", len(kv.requests["a"].token_ids), 1, True)])  # a's lists uploaded
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        ctx.step([StepRow(rid, len(kv.requests[rid].token_ids), 1, True) for rid in ("a", "b")])
+        for _ in range(2):  # b uploaded and a appended, then both appended
+            ctx.step([StepRow(rid, len(kv.requests[rid].token_ids), 1, True) for rid in ("a", "b")])
     finally:
         torch.cuda.set_sync_debug_mode(0)
 

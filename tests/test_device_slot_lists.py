@@ -5,10 +5,13 @@ a fragmented arena (cleared and rebuilt) and an arena too small (the caller's ho
 from __future__ import annotations
 
 import random
+from numbers import Number
 
 import numpy as np
 import pytest
+import torch
 from test_pool_support import L, decode, prefill, token_kv, toy_manager
+from torch.overrides import TorchFunctionMode
 
 from tangram_sgl.pool.device_slot_lists import RangeAllocator
 from tangram_sgl.pool.invariants import check_invariants
@@ -128,6 +131,40 @@ def test_a_steps_stale_requests_are_uploaded_together():
     mgr.checkpoint(3)
     ranges = _decode_step(mgr, [0, 1, 2, 3], rng)
     assert calls[1:] == [[3]]
+    _assert_ranges_are_the_lists(mgr, [0, 1, 2, 3], ranges)
+    check_invariants(mgr, deep=True)
+
+
+class _HostValuesInIndexing(TorchFunctionMode):
+    """Records indexing that, on a CUDA tensor, copies a host value over and waits for the GPU: a Python list as
+    the index, or a Python number assigned through a tensor index (``t[idx] = 0``: the trace of session 25 caught
+    one in each mixed decode step, up to 3 ms of host wait under the overlap scheduler)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, list) for i in index):
+                self.seen.append(f"{func.__name__} with a list index")
+            if (func is torch.Tensor.__setitem__ and isinstance(args[2], Number)
+                    and any(isinstance(i, torch.Tensor) for i in index)):
+                self.seen.append("__setitem__ of a Python number through a tensor index")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_mixed_decode_step_indexes_with_device_values_only():
+    """A step that both uploads stale requests' lists (zero-filled blocks, one scatter) and appends to the others
+    (a subset of the step's token slots) indexes only with tensors — what keeps it free of host waits on CUDA
+    (``test_decode_step_build_never_synchronises_the_host`` checks the same on the GPU)."""
+    mgr, rng = _four_requests(1 << 12)
+    prefill(mgr, 2, [rng.randrange(1, 50) for _ in range(5)])  # request 2 is stale, 0, 1 and 3 append
+    mgr.checkpoint(2)
+    with _HostValuesInIndexing() as mode:
+        ranges = _decode_step(mgr, [0, 1, 2, 3], rng)
+    assert mode.seen == []
     _assert_ranges_are_the_lists(mgr, [0, 1, 2, 3], ranges)
     check_invariants(mgr, deep=True)
 

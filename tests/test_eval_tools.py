@@ -354,8 +354,13 @@ def test_server_specs():
         "tangram_flashinfer_ov_x", "/p/x.json", ["--tangram-extend-kernel", "flashinfer"])
     assert parse_server_spec("tangram-bcg:/p/x.json") == (
         "tangram_mixed_bcg_ov_x", "/p/x.json", ["--cuda-graph-backend-prefill", "breakable"])
+    assert parse_server_spec("tangram-bcg1024@triton:/p/x.json") == (
+        "tangram_triton_bcg1024_ov_x", "/p/x.json", ["--tangram-extend-kernel", "triton", "--cuda-graph-backend-prefill",
+                                                     "breakable", "--cuda-graph-max-bs-prefill", "1024"])
     assert parse_server_spec("tangram-nooverlap:/p/x.json") == (
         "tangram_mixed_x", "/p/x.json", ["--disable-overlap-schedule"])
+    with pytest.raises(ValueError, match="expected stock"):
+        parse_server_spec("tangram-bcgx:/p/x.json")
     with pytest.raises(ValueError, match="expected stock"):
         parse_server_spec("stock@flashinfer:triton")
 
@@ -376,6 +381,8 @@ def test_plot_labels_are_short():
                                       "target_ratio": 1.0}) == "tangram r1 (mixed, overlap)"
     assert bench_serving.short_label({"server": "tangram:/p/x.json", "label": "tangram_mixed_bcg_ov_x",
                                       "target_ratio": 1.0}) == "tangram r1 (mixed, prefill graphs, overlap)"
+    assert bench_serving.short_label({"server": "tangram-bcg1024:/p/x.json", "label": "tangram_mixed_bcg1024_ov_x",
+                                      "target_ratio": 1.0}) == "tangram r1 (mixed, prefill graphs ≤ 1024 tokens, overlap)"
 
 
 def test_prefill_chunk_rates_from_a_server_log():

@@ -206,6 +206,11 @@ def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_
                  str(profile_path), "--cuda-graph-backend-prefill", "breakable", "--tangram-extend-kernel", "triton")
     assert bcg.cuda_graph_config.prefill.backend == "breakable"  # asked for: kept, and the backend serves it
     assert isinstance(ATTENTION_BACKENDS["tangram"](runner(bcg)), TangramAttnBackend)
+    small = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
+                   str(profile_path), "--cuda-graph-backend-prefill", "breakable", "--cuda-graph-max-bs-prefill", "1024",
+                   "--tangram-extend-kernel", "triton")  # graphs for question-sized steps only (eval's tangram-bcg1024)
+    prefill = small.cuda_graph_config.prefill
+    assert prefill.backend == "breakable" and prefill.max_bs == 1024 and max(prefill.bs) == 1024
     with monkeypatch.context() as m:  # SGLang's default on CUDA is breakable graphs; tangram's is eager prefill
         m.setattr(sglang_graph_config, "default_prefill_backend", lambda: "breakable")
         cuda = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",

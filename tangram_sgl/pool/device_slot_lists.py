@@ -164,8 +164,8 @@ class DeviceSlotLists:
                                                           starts.reshape(-1) - (np.cumsum(flat_lens) - flat_lens),
                                                           flat_lens])), self.arena.device)
         zero_shift, zero_count, shift, count = meta.split([len(rids), len(rids), lens.size, lens.size])
-        if sizes.sum():
-            self.arena[piece_positions(zero_shift, zero_count, int(sizes.sum()))] = 0
+        if sizes.sum():  # index_fill_, not ``arena[idx] = 0``: that copies the 0 from the host and waits for the GPU
+            self.arena.index_fill_(0, piece_positions(zero_shift, zero_count, int(sizes.sum())), 0)
         if flat_lens.sum():
             self.arena[piece_positions(shift, count, int(flat_lens.sum()))] = slots.to(self.arena.device, torch.int32)
         for r, rid in enumerate(rids):

@@ -500,11 +500,12 @@ class TangramKVManager:
                 break
         else:
             return None
-        fast = [r for r, (rid, n) in enumerate(zip(rids, tokens)) if dl.mirrors[rid].tokens == n - 1]
+        fast = np.flatnonzero([dl.mirrors[rid].tokens == n - 1 for rid, n in zip(rids, tokens)])
         if len(fast) == len(rids):
             dl.append(rids, token_slots)
-        elif fast:
-            dl.append([rids[r] for r in fast], token_slots[fast])
+        elif len(fast):  # a device index: ``token_slots[list]`` would copy the list from the host and wait
+            dl.append([rids[r] for r in fast],
+                      token_slots.index_select(0, to_device(torch.from_numpy(fast), token_slots.device)))
         return dl.ranges_of(rids)
 
     def gather(self, rid: Hashable, layer: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
