@@ -301,9 +301,9 @@ def short_label(run: dict) -> str:
     kernel = kind.partition("@")[2] or next((k for k in EXTEND_KERNELS if run["label"].startswith(f"tangram_{k}_")),
                                             "triton")
     label = run["label"]
-    graphs = re.search(r"_bcg(\d*)_", label)
-    graphs = graphs and (f", prefill graphs ≤ {graphs[1]} tokens" if graphs[1] else ", prefill graphs")
-    return f"{name} ({kernel}{graphs or ''}{', overlap' * ('_ov_' in label)})"
+    bcg = re.search(r"_bcg(\d*)_", label)  # bcg<N>: graphs for steps of at most N tokens
+    graphs = "" if bcg is None else f", prefill graphs ≤ {bcg[1]} tokens" if bcg[1] else ", prefill graphs"
+    return f"{name} ({kernel}{graphs}{', overlap' * ('_ov_' in label)})"
 
 
 def plot(runs: list[dict], path: Path) -> None:
