@@ -1029,6 +1029,17 @@ def _two_row_extend_step(decode_tokens: int = 0):
     return kv, ctx, ctx.step(rows), (q, k, v)
 
 
+def test_every_bucket_reads_its_aot_row_from_the_table_uploaded_with_the_context():
+    """A decode step's AOT split row is a view of ``AttentionContext.split_rows``, uploaded once: until session 26
+    each bucket's first step uploaded its row from a Python list, a host wait that the GPU sync-debug test caught."""
+    kv, ctx, _, _ = _two_row_extend_step()
+    for b, size in enumerate(ctx.aot.batch_buckets):
+        splits, top = ctx.decode_splits(size)
+        assert splits.untyped_storage().data_ptr() == ctx.split_rows.untyped_storage().data_ptr()
+        assert splits.tolist() == list(ctx.aot.splits[b]) and top == max(ctx.aot.splits[b])
+        assert splits.device == kv.pool.device and splits.dtype == torch.int32
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="host-GPU synchronisation exists only on a CUDA device (GPU test stage)")
 def test_decode_step_build_never_synchronises_the_host():
     """What overlap scheduling needs beyond the CPU-tested order: building a decode step (rows without token ids,

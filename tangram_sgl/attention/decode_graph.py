@@ -10,8 +10,8 @@ once for the largest bucket and viewed per bucket, or is the manager's slot-list
 - ``token_slots`` int64 ``[max_bs, G]``: each row's decode-token slot per group; padding rows write to
   slot 0, the pool's null page, which no list reads.
 
-The AOT split row of a bucket is the cached ``AttentionContext.decode_splits(bs)`` tensor, the same object
-at capture and replay. Per step, the host builds the :class:`ForwardStep` as in eager mode (rows ->
+The AOT split row of a bucket is a row of ``AttentionContext.split_rows`` (uploaded once, with the context),
+the same memory at capture and replay. Per step, the host builds the :class:`ForwardStep` as in eager mode (rows ->
 requests, decode slots, the new token appended to the device lists) and :meth:`DecodeGraphBuffers.load`
 copies its O(rows x groups) metadata in; a step whose lists did not fit the arena (host-built lists) runs
 eagerly.

@@ -78,7 +78,13 @@ class AttentionContext:
     head_order: torch.Tensor  # int32 [L, H]: each layer's kv heads by descending group budget (decode launch)
     flashinfer_extend: FlashInferExtend | None = None  # extend attention through FlashInfer instead of kernels
     flashinfer_min_new: int = 0  # ... for steps whose longest row adds more new tokens than this
-    _splits: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    split_rows: torch.Tensor = field(init=False)  # int32 [buckets, G] on the pool's device: the AOT table
+    split_max: tuple[int, ...] = field(init=False)  # each bucket's largest split count
+
+    def __post_init__(self) -> None:
+        # Uploaded whole, once: a bucket's first decode step (eager or under capture) copies nothing from the host.
+        self.split_rows = torch.tensor(self.aot.splits, dtype=torch.int32, device=self.kv.pool.device)
+        self.split_max = tuple(max(row) for row in self.aot.splits)
 
     @classmethod
     def create(cls, kv: TangramKVManager, profile: TangramProfile, *, kernels: str | None = None,
@@ -120,10 +126,7 @@ class AttentionContext:
     def decode_splits(self, batch_size: int) -> tuple[torch.Tensor, int]:
         """(int32 ``[G]`` splits on the device, the bucket's max) of the AOT row for ``batch_size``."""
         b = self.aot.bucket_index(batch_size)
-        if b not in self._splits:
-            row = self.aot.splits[b]
-            self._splits[b] = (torch.tensor(row, dtype=torch.int32, device=self.kv.pool.device), max(row))
-        return self._splits[b]
+        return self.split_rows[b], self.split_max[b]
 
     def step(self, rows: Sequence[StepRow], decode_token_ids: Sequence[int] | None = None) -> ForwardStep:
         return ForwardStep(self, rows, decode_token_ids)
