@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Self
 
 import requests
-from tangram_sgl.patches.server_args import DEFAULT_EXTEND_KERNEL
+from tangram_sgl.patches.server_args import DEFAULT_EXTEND_KERNEL, DEFAULT_PREFILL_GRAPH_MAX_TOKENS
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -131,32 +131,37 @@ def server_args(model_path: str, *, profile: str | None, extra: Sequence[str] = 
 def parse_server_spec(spec: str) -> tuple[str, str | None, list[str]]:
     """(label, tangram profile or None, launch arguments) of ``stock:<attention backend>``,
     ``stock-nooverlap:<attention backend>`` (without SGLang's overlap scheduler), ``tangram:<profile.json>`` or
-    ``tangram@<extend kernel>:<profile.json>``, ``tangram-bcg...`` (the same with breakable prefill CUDA graphs),
-    ``tangram-bcg<N>...`` (breakable prefill graphs for steps of at most N tokens, ``--cuda-graph-max-bs-prefill N``:
-    question turns replay graphs, document chunks run eagerly) and ``tangram-nooverlap...`` (with
-    ``--disable-overlap-schedule``), the server specs the eval scripts take. A tangram label names the extend kernel
-    (the default one included), has ``bcg_`` (``bcg<N>_``) when breakable prefill CUDA graphs run (tangram's default
-    in sessions 18-19 only, when the spec ``tangram-eager`` turned them off) and ``ov_`` when the overlap scheduler
-    runs (the default since session 16)."""
+    ``tangram@<extend kernel>:<profile.json>`` (tangram's defaults), ``tangram-bcg...`` (breakable prefill CUDA graphs
+    for every step size), ``tangram-bcg<N>...`` (for steps of at most N tokens, ``--cuda-graph-max-bs-prefill N``:
+    question turns replay graphs, document chunks run eagerly; N = 1024 is tangram's default since session 27),
+    ``tangram-eager...`` (no prefill graphs: tangram's default through session 26, sessions 18-19 aside) and ``tangram-nooverlap...``
+    (the defaults with ``--disable-overlap-schedule``), the server specs the eval scripts take. A tangram label
+    names the extend kernel (the default one included), has ``bcg_`` (``bcg<N>_``) when breakable prefill CUDA
+    graphs run, the default's included, and ``ov_`` when the overlap scheduler runs (the default since session 16):
+    labels name what ran, so results from before a default changed keep their meaning."""
     kind, _, arg = spec.partition(":")
     kind, _, extend_kernel = kind.partition("@")
     if kind == "stock" and arg and not extend_kernel:
         return f"stock_{arg}", None, ["--attention-backend", arg]
     if kind == "stock-nooverlap" and arg and not extend_kernel:
         return f"stock_{arg}_nooverlap", None, ["--attention-backend", arg, "--disable-overlap-schedule"]
-    variant = re.fullmatch(r"tangram(?:-(bcg)(\d*)|-(nooverlap))?", kind)
+    variant = re.fullmatch(r"tangram(?:-(bcg)(\d*)|-(eager)|-(nooverlap))?", kind)
     if variant and arg:
-        bcg, max_tokens, nooverlap = variant.groups()
+        bcg, max_tokens, eager, nooverlap = variant.groups()
         flags = ["--tangram-extend-kernel", extend_kernel] if extend_kernel else []
         if bcg:
             flags += ["--cuda-graph-backend-prefill", "breakable"]
             flags += ["--cuda-graph-max-bs-prefill", max_tokens] if max_tokens else []
+        elif eager:
+            flags += ["--cuda-graph-backend-prefill", "disabled"]
+        else:
+            bcg, max_tokens = "bcg", str(DEFAULT_PREFILL_GRAPH_MAX_TOKENS)
         if nooverlap:
             flags.append("--disable-overlap-schedule")
         tags = f"bcg{max_tokens}_" * bool(bcg) + "ov_" * (not nooverlap)
         return f"tangram_{extend_kernel or DEFAULT_EXTEND_KERNEL}_{tags}{Path(arg).stem}", arg, flags
     raise ValueError(f"server spec {spec!r}: expected stock:<attention backend>, stock-nooverlap:<attention "
-                     f"backend> or tangram[-bcg|-bcg<max tokens>|-nooverlap][@<extend kernel>]:<profile.json>")
+                     f"backend> or tangram[-bcg|-bcg<max tokens>|-eager|-nooverlap][@<extend kernel>]:<profile.json>")
 
 
 PREFILL_LINE = re.compile(r"Prefill batch.*#new-token: (\d+).*input throughput \(token/s\): ([\d.]+)")

@@ -7,9 +7,12 @@ sessions (``tangram-sgl replay``), while a poller samples ``/metrics`` (tangram 
 every few seconds and a disconnector opens streaming requests and drops them mid-generation. At the end
 the tree is flushed (``/flush_cache``: the cache logs how many pages are then neither free nor owned) and
 one request checks that the server still serves. ``--soft-watchdog-timeout 30`` makes SGLang dump the
-scheduler's stacks if one batch runs over 30 s. Before the load, one sampled request (temperature 1, as the
-disconnector's) pays FlashInfer's first-use JIT build of its sampling kernels, timed apart: on a fresh machine that
-build held the scheduler 87 s inside the first wave (session 25's dump; the unexplained 92 s stall of session 19).
+scheduler's stacks if one batch runs over 30 s. Before the load, one request sampled with top-p pays FlashInfer's
+first-use JIT build of its sampling kernels, timed apart: on a fresh machine that build held the scheduler 87 s
+inside the first wave (session 25's dump; the unexplained 92 s stall of session 19). SGLang samples a batch through
+FlashInfer only when some row filters (top-k or top-p): a greedy replay row (top-k 1) beside a disconnector's row
+(temperature 1) does, the disconnector's row alone does not (multinomial in torch) — session 27's warm-up, a
+disconnector-like request, missed the build, which then stalled the first wave 76 s.
 
 Reported: turns served, errors (with examples), client disconnects, invariant violations and tracebacks
 in the server log, pages leaked after the final flush, the longest gap between scheduler batches, pages
@@ -58,9 +61,10 @@ def disconnect_body(model: str, max_tokens: int = 512) -> dict:
 
 
 def warm_up_sampling(url: str, model: str) -> float:
-    """Seconds one short sampled request took: FlashInfer's sampling kernels built at their first use."""
+    """Seconds one short request sampled with top-p took: FlashInfer's sampling kernels built at their first use."""
     t = time.time()
-    with requests.post(url + "/v1/chat/completions", json=disconnect_body(model, 4), stream=True, timeout=600) as r:
+    body = {**disconnect_body(model, 4), "top_p": 0.9}  # a filter, so SGLang samples through FlashInfer
+    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=600) as r:
         r.raise_for_status()
         for _ in r.iter_lines():
             pass
@@ -220,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         summary_row("soak: client disconnects mid-generation", counts["disconnects"] + counts["gave_up_waiting"], ""),
         summary_row("soak: pages leaked after the final flush", leaked, "pages", "0", leaked == 0),
         summary_row("soak: longest gap between scheduler batches under load", data["longest_stall_s"], "s"),
-        summary_row("soak: first sampled request (FlashInfer's sampling JIT on a fresh machine)",
+        summary_row("soak: first request sampled with top-p (FlashInfer's sampling JIT on a fresh machine)",
                     data["sampling_warmup_s"], "s"),
         summary_row("soak: invariant violations + server tracebacks", data["invariant_violations"] + data["tracebacks"],
                     "", "0", data["invariant_violations"] + data["tracebacks"] == 0),

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang.srt.environ import envs
+from sglang.srt.model_executor import cuda_graph_config as sglang_graph_config
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from tangram_sgl.attention.servable import PREFILL_GRAPH_BACKENDS, overlap_conflict
@@ -36,6 +37,10 @@ EXTEND_KERNELS = ("triton", "flashinfer", "mixed")
 # FlashInfer for prefill chunks (faster on the H200 there, eval/results/bench_extend.json), the Triton kernel for
 # question-sized steps (fewer host launches per layer: 0.64/0.73/0.77 -> 0.76/0.84/0.81x stock, bench_serving_grid)
 DEFAULT_EXTEND_KERNEL = "mixed"
+# On CUDA, breakable prefill CUDA graphs for steps of at most this many tokens (question turns replay graphs, document
+# chunks run eagerly): 0.97 / 0.99 / 0.99x stock against eager prefill's 0.96 / 0.98 / 0.98x on an H100, short class
+# at 8 / 32 / 64 sessions (session 27, bench_serving_grid_h100)
+DEFAULT_PREFILL_GRAPH_MAX_TOKENS = 1024
 _SA = "sglang.srt.server_args.ServerArgs"
 
 # Features whose KV handling tangram_sgl does not implement: (ServerArgs field, its "off" value, flag).
@@ -122,13 +127,14 @@ def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profil
 def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
     """Turn off, loudly, the defaults the tangram backend cannot run with yet; refuse explicit requests.
 
-    Decode CUDA graphs stay as the user set them (SGLang's default: on). Prefill graphs are off unless asked for:
-    breakable graphs (``--cuda-graph-backend-prefill breakable``: the model body replays as captured segments,
-    attention with its scoring and compaction runs eagerly between them) serve, but measured no faster than eager
-    prefill with tangram (H200, short class, session 20: 0.68 / 0.91 / 0.85x stock against 0.96 / 0.94 / 0.84x);
-    ``--cuda-graph-max-bs-prefill N`` keeps them to steps of at most N tokens (session 25's traces: graphs cut a
-    question step's host time, eager prefill ran long chunks faster; that mix is not yet measured end to end);
-    full and torch.compile prefill graphs asked for are refused. SGLang's overlap scheduler stays as the user set
+    Decode CUDA graphs stay as the user set them (SGLang's default: on). Prefill graphs, where SGLang's own default
+    is breakable graphs (CUDA: the model body replays as captured segments, attention with its scoring and compaction
+    runs eagerly between them), default to breakable graphs for steps of at most
+    :data:`DEFAULT_PREFILL_GRAPH_MAX_TOKENS` tokens unless ``--cuda-graph-max-bs-prefill`` says otherwise: graphs cut
+    a question step's host time, eager prefill runs long chunks faster (graphs for every size measured slower than
+    eager prefill, H200 session 20: 0.68 / 0.91 / 0.85x stock against 0.96 / 0.94 / 0.84x). Elsewhere prefill runs
+    eagerly. ``--cuda-graph-backend-prefill disabled`` / ``breakable`` are kept as asked; full and torch.compile
+    prefill graphs are refused. SGLang's overlap scheduler stays as the user set
     it (SGLang's default: on; ``--disable-overlap-schedule`` turns it off); with it, the settings that change the
     order or the lengths the radix hooks rely on are refused (docs/arch/attention.md).
     """
@@ -147,9 +153,13 @@ def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
                                 "building the next batch and its metadata); add --disable-overlap-schedule")
         if (refusal := overlap_conflict(fields.get)) is not None:
             raise KvPolicyError(refusal)
-    if prefill is None:
-        logger.info("--kv-policy tangram: prefill CUDA graphs are off by default (decode CUDA graphs stay on); "
-                    "--cuda-graph-backend-prefill breakable turns breakable ones on")
+    if prefill is None and sglang_graph_config.default_prefill_backend() == "breakable":
+        if fields.get("cuda_graph_max_bs_prefill") is None:
+            fields["cuda_graph_max_bs_prefill"] = DEFAULT_PREFILL_GRAPH_MAX_TOKENS
+        logger.info("--kv-policy tangram: breakable prefill CUDA graphs for steps of at most %d tokens, longer steps "
+                    "eager (--cuda-graph-backend-prefill disabled: all eager)", fields["cuda_graph_max_bs_prefill"])
+        fields["cuda_graph_backend_prefill"] = "breakable"
+    elif prefill is None:
         fields["cuda_graph_backend_prefill"] = "disabled"
 
 

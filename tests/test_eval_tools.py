@@ -49,6 +49,30 @@ def test_soak_log_figures():
     assert soak.FLUSH_LINE.findall(log) == [("1", "0")]
 
 
+def test_soak_sampling_warm_up_filters_so_flashinfer_samples_it(monkeypatch):
+    """SGLang samples a batch through FlashInfer (whose kernels JIT-build at first use) only when a row filters with
+    top-k or top-p; an unfiltered temperature-1 request is sampled in torch and warms nothing."""
+    sent = []
+
+    class Streamed:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def raise_for_status(self):
+            pass
+
+        def iter_lines(self):
+            return iter(())
+
+    monkeypatch.setattr(soak.requests, "post", lambda url, json, **kw: sent.append(json) or Streamed())
+    soak.warm_up_sampling("http://server", "m")
+    (body,) = sent
+    assert body.get("temperature", 1.0) > 0 and (body.get("top_p", 1.0) < 1.0 or body.get("top_k", -1) > 1)
+
+
 def _bench_file(path: Path, sessions: str, device: str = "NVIDIA H200", duration: str = "240",
                 cut: int = 0, wall_s: float = 240.0, date: str = "2026-12-02", label: str = "stock_flashinfer",
                 contexts: tuple[str, ...] = ("long=49152",)) -> Path:
@@ -347,18 +371,20 @@ def test_server_specs():
     assert parse_server_spec("stock:flashinfer") == ("stock_flashinfer", None, ["--attention-backend", "flashinfer"])
     assert parse_server_spec("stock-nooverlap:flashinfer") == (
         "stock_flashinfer_nooverlap", None, ["--attention-backend", "flashinfer", "--disable-overlap-schedule"])
-    assert parse_server_spec("tangram:/p/x.r1.json") == ("tangram_mixed_ov_x.r1", "/p/x.r1.json", [])
+    # tangram's defaults: labelled with what they run (prefill graphs up to 1024 tokens, overlap)
+    assert parse_server_spec("tangram:/p/x.r1.json") == ("tangram_mixed_bcg1024_ov_x.r1", "/p/x.r1.json", [])
     assert parse_server_spec("tangram@triton:/p/x.json") == (
-        "tangram_triton_ov_x", "/p/x.json", ["--tangram-extend-kernel", "triton"])
-    assert parse_server_spec("tangram@flashinfer:/p/x.json") == (
-        "tangram_flashinfer_ov_x", "/p/x.json", ["--tangram-extend-kernel", "flashinfer"])
+        "tangram_triton_bcg1024_ov_x", "/p/x.json", ["--tangram-extend-kernel", "triton"])
+    assert parse_server_spec("tangram-eager@flashinfer:/p/x.json") == (
+        "tangram_flashinfer_ov_x", "/p/x.json", ["--tangram-extend-kernel", "flashinfer", "--cuda-graph-backend-prefill",
+                                                 "disabled"])
     assert parse_server_spec("tangram-bcg:/p/x.json") == (
         "tangram_mixed_bcg_ov_x", "/p/x.json", ["--cuda-graph-backend-prefill", "breakable"])
     assert parse_server_spec("tangram-bcg1024@triton:/p/x.json") == (
         "tangram_triton_bcg1024_ov_x", "/p/x.json", ["--tangram-extend-kernel", "triton", "--cuda-graph-backend-prefill",
                                                      "breakable", "--cuda-graph-max-bs-prefill", "1024"])
     assert parse_server_spec("tangram-nooverlap:/p/x.json") == (
-        "tangram_mixed_x", "/p/x.json", ["--disable-overlap-schedule"])
+        "tangram_mixed_bcg1024_x", "/p/x.json", ["--disable-overlap-schedule"])
     with pytest.raises(ValueError, match="expected stock"):
         parse_server_spec("tangram-bcgx:/p/x.json")
     with pytest.raises(ValueError, match="expected stock"):
@@ -426,10 +452,10 @@ def test_exactness_repeats_a_server_given_twice_and_splits_out_first_turns(tmp_p
     history) are counted apart from later ones."""
     import exactness
 
-    answers = {"tangram_mixed_ov_p": [[{"output_ids": [1, 2], "logprobs": [-0.1, -0.2]},
-                                           {"output_ids": [3, 4], "logprobs": [-0.3, -0.4]}]],
-               "tangram_mixed_p": [[{"output_ids": [1, 2], "logprobs": [-0.1, -0.25]},
-                                        {"output_ids": [3, 5], "logprobs": [-0.3, -0.4]}]]}
+    answers = {"tangram_mixed_bcg1024_ov_p": [[{"output_ids": [1, 2], "logprobs": [-0.1, -0.2]},
+                                               {"output_ids": [3, 4], "logprobs": [-0.3, -0.4]}]],
+               "tangram_mixed_bcg1024_p": [[{"output_ids": [1, 2], "logprobs": [-0.1, -0.25]},
+                                            {"output_ids": [3, 5], "logprobs": [-0.3, -0.4]}]]}
     served = []
 
     class Server(FakeServer):
@@ -439,13 +465,14 @@ def test_exactness_repeats_a_server_given_twice_and_splits_out_first_turns(tmp_p
 
     monkeypatch.setattr(exactness, "ServerProcess", Server)
     monkeypatch.setattr(exactness, "collect", lambda url, tok, convs, n: answers[
-        "tangram_mixed_ov_p" if served[-1] else "tangram_mixed_p"])
+        "tangram_mixed_bcg1024_ov_p" if served[-1] else "tangram_mixed_bcg1024_p"])
     monkeypatch.setitem(sys.modules, "transformers", type("T", (), {"AutoTokenizer": type(
         "A", (), {"from_pretrained": staticmethod(lambda path: None)})}))
     exactness.main(["--model-path", "m", "--out", str(tmp_path), "--name", "e", "--runs", "tangram:p.json",
                     "tangram:p.json", "tangram-nooverlap:p.json"])
     doc = json.loads((tmp_path / "e.json").read_text())
-    restart, plain = (doc["data"]["comparisons"][k] for k in ("tangram_mixed_ov_p_restart", "tangram_mixed_p"))
+    restart, plain = (doc["data"]["comparisons"][k]
+                      for k in ("tangram_mixed_bcg1024_ov_p_restart", "tangram_mixed_bcg1024_p"))
     assert restart["identical_turns"] == 2 and restart["max_logprob_diff_on_agreeing_prefix"] == 0
     assert (plain["identical_turns"], plain["identical_first_turns"]) == (1, 1)
     assert plain["max_logprob_diff_first_turns"] == pytest.approx(0.05)

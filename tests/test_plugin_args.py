@@ -170,16 +170,17 @@ def test_launch_server_help_lists_the_options():
 
 def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_dir, profile_path, monkeypatch):
     """The registry's ``tangram`` factory on SGLang's resolved ServerArgs: the policy keeps decode CUDA graphs
-    (SGLang's default, full graphs) and SGLang's overlap scheduler (on by default) as given, turns prefill graphs
-    off unless breakable ones are asked for (whatever SGLang's own default: breakable on CUDA, torch.compile graphs
-    here on the CPU), the factory builds TangramAttnBackend on the tangram pool, and settings the backend cannot
+    (SGLang's default, full graphs) and SGLang's overlap scheduler (on by default) as given; where SGLang's own
+    prefill default is breakable graphs (CUDA) it keeps them for steps of at most 1024 tokens (or the
+    --cuda-graph-max-bs-prefill given), elsewhere (torch.compile graphs here on the CPU) prefill runs eagerly; the
+    factory builds TangramAttnBackend on the tangram pool, and settings the backend cannot
     serve are still refused by name if they reach it another way."""
     from types import SimpleNamespace
 
     import torch
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.model_executor import cuda_graph_config as sglang_graph_config
-    from tangram_sgl.patches.server_args import KvPolicyError
+    from tangram_sgl.patches.server_args import DEFAULT_PREFILL_GRAPH_MAX_TOKENS, KvPolicyError
 
     from tangram_sgl.attention.backend import TangramAttnBackend
     from tangram_sgl.attention.servable import TangramNotServable
@@ -211,12 +212,17 @@ def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_
                    "--tangram-extend-kernel", "triton")  # graphs for question-sized steps only (eval's tangram-bcg1024)
     prefill = small.cuda_graph_config.prefill
     assert prefill.backend == "breakable" and prefill.max_bs == 1024 and max(prefill.bs) == 1024
-    with monkeypatch.context() as m:  # SGLang's default on CUDA is breakable graphs; tangram's is eager prefill
+    with monkeypatch.context() as m:  # SGLang's default on CUDA is breakable graphs: tangram's, for small steps only
         m.setattr(sglang_graph_config, "default_prefill_backend", lambda: "breakable")
-        cuda = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
-                      str(profile_path), "--tangram-extend-kernel", "triton")
-        stock = _parse(sglang_loaded, "--model-path", str(model_dir))
-    assert cuda.cuda_graph_config.prefill.backend == "disabled" and stock.cuda_graph_config.prefill.backend == "breakable"
+        tangram = ("--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile", str(profile_path),
+                   "--tangram-extend-kernel", "triton")
+        cuda = _parse(sglang_loaded, *tangram).cuda_graph_config.prefill
+        capped = _parse(sglang_loaded, *tangram, "--cuda-graph-max-bs-prefill", "512").cuda_graph_config.prefill
+        eager = _parse(sglang_loaded, *tangram, "--cuda-graph-backend-prefill", "disabled").cuda_graph_config.prefill
+        stock = _parse(sglang_loaded, "--model-path", str(model_dir)).cuda_graph_config.prefill
+    assert cuda.backend == "breakable" and cuda.max_bs == max(cuda.bs) == DEFAULT_PREFILL_GRAPH_MAX_TOKENS
+    assert capped.backend == "breakable" and capped.max_bs == max(capped.bs) == 512
+    assert eager.backend == "disabled" and stock.backend == "breakable" and stock.max_bs > cuda.max_bs
     # SGLang's overlap scheduler stays on (its default), and --disable-overlap-schedule still turns it off
     assert not sa.disable_overlap_schedule
     nov = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",

@@ -22,9 +22,10 @@
 #           128 concurrent sessions (TTFT vs load) and the mid class (16k) at 64, a ${GRID_SECONDS:-60} s window each
 #           (GRID_CONTEXTS overrides the classes); grid_stock_nooverlap: stock with --disable-overlap-schedule;
 #           grid_pair_r1: stock and tangram r1 in one call (one machine for both, whatever happens between calls);
-#           grid_r1_bcg / grid_r025_bcg: tangram with breakable prefill CUDA graphs (its default in sessions 18-19;
-#           session 20 measured them no faster, so prefill runs eagerly by default); grid_r1_bcg1024: breakable prefill
-#           graphs for steps of at most 1024 tokens only (question turns; document chunks eager); grid_r1_fi / grid_r025_fi:
+#           grid_r1_bcg / grid_r025_bcg: tangram with breakable prefill CUDA graphs for every step size (its default
+#           in sessions 18-19; session 20 measured them no faster); the default since session 27 keeps them to steps of
+#           at most 1024 tokens (question turns; document chunks eager); grid_r1_eager: no prefill graphs (the default
+#           through session 26, sessions 18-19 aside); grid_r1_fi / grid_r025_fi:
 #           --tangram-extend-kernel flashinfer for every extend step (the default, mixed, runs question-sized ones in Triton);
 #           grid_r1_triton: the Triton kernel for every extend step (no FlashInfer JIT at start: quick traced runs);
 #           grid_r1_nooverlap: --disable-overlap-schedule (tangram's default before session 16)
@@ -238,10 +239,12 @@ stage_grid_r1_triton() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
 # with breakable prefill CUDA graphs (--cuda-graph-backend-prefill breakable; tangram's default in sessions 18-19)
 stage_grid_r1_bcg() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   grid_run r1_bcg tangram-bcg:/tmp/llama-3.1-8b.uniform.r1.0.json; }
-# breakable prefill graphs up to 1024 tokens (session 25's 8-session traces: graphs cut a question step's host time
-# from ~23 to ~17 ms, stock's ~16; eager prefill ran 4k-token document chunks faster, 39.5k against 34.1k tok/s)
-stage_grid_r1_bcg1024() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
-  grid_run r1_bcg1024 tangram-bcg1024:/tmp/llama-3.1-8b.uniform.r1.0.json; }
+# no prefill graphs, the default through session 26 (graphs up to 1024 tokens, the default since: session 25's traces
+# had them cut a question step's host time from ~23 to ~17 ms, stock's ~16, while eager prefill ran 4k-token document
+# chunks faster, 39.5k against 34.1k tok/s; session 27's H100 grid, 0.97 / 0.99 / 0.99x stock against 0.96 / 0.98 /
+# 0.98x eager)
+stage_grid_r1_eager() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
+  grid_run r1_eager tangram-eager:/tmp/llama-3.1-8b.uniform.r1.0.json; }
 # --disable-overlap-schedule: without SGLang's overlap scheduler (tangram's default until session 16)
 stage_grid_r1_nooverlap() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   grid_run r1_nooverlap tangram-nooverlap:/tmp/llama-3.1-8b.uniform.r1.0.json; }
