@@ -133,10 +133,11 @@ def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
     :data:`DEFAULT_PREFILL_GRAPH_MAX_TOKENS` tokens unless ``--cuda-graph-max-bs-prefill`` says otherwise: graphs cut
     a question step's host time, eager prefill runs long chunks faster (graphs for every size measured slower than
     eager prefill, H200 session 20: 0.68 / 0.91 / 0.85x stock against 0.96 / 0.94 / 0.84x). Elsewhere prefill runs
-    eagerly. ``--cuda-graph-backend-prefill disabled`` / ``breakable`` are kept as asked; full and torch.compile
-    prefill graphs are refused. SGLang's overlap scheduler stays as the user set
-    it (SGLang's default: on; ``--disable-overlap-schedule`` turns it off); with it, the settings that change the
-    order or the lengths the radix hooks rely on are refused (docs/arch/attention.md).
+    eagerly. ``--cuda-graph-backend-prefill disabled`` / ``breakable`` are kept as asked, ``--disable-cuda-graph``
+    and ``--disable-prefill-cuda-graph`` work as in stock SGLang; full and torch.compile prefill graphs are refused.
+    SGLang's overlap scheduler stays as the user set it (SGLang's default: on; ``--disable-overlap-schedule`` turns
+    it off); with it, the settings that change the order or the lengths the radix hooks rely on are refused
+    (docs/arch/attention.md).
     """
     prefill = fields.get("cuda_graph_backend_prefill")
     if prefill not in (None, *PREFILL_GRAPH_BACKENDS):
@@ -154,11 +155,13 @@ def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
         if (refusal := overlap_conflict(fields.get)) is not None:
             raise KvPolicyError(refusal)
     if prefill is None and sglang_graph_config.default_prefill_backend() == "breakable":
+        # only the size limit: SGLang still resolves the backend (--disable-cuda-graph, --disable-prefill-cuda-graph
+        # and its auto-disable rules keep working; a backend the tangram one cannot serve is refused at its start)
         if fields.get("cuda_graph_max_bs_prefill") is None:
             fields["cuda_graph_max_bs_prefill"] = DEFAULT_PREFILL_GRAPH_MAX_TOKENS
-        logger.info("--kv-policy tangram: breakable prefill CUDA graphs for steps of at most %d tokens, longer steps "
-                    "eager (--cuda-graph-backend-prefill disabled: all eager)", fields["cuda_graph_max_bs_prefill"])
-        fields["cuda_graph_backend_prefill"] = "breakable"
+        logger.info("--kv-policy tangram: breakable prefill CUDA graphs (SGLang's default here) for steps of at most "
+                    "%d tokens, longer steps eager (--cuda-graph-backend-prefill disabled: all eager)",
+                    fields["cuda_graph_max_bs_prefill"])
     elif prefill is None:
         fields["cuda_graph_backend_prefill"] = "disabled"
 

@@ -219,10 +219,13 @@ def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_
         cuda = _parse(sglang_loaded, *tangram).cuda_graph_config.prefill
         capped = _parse(sglang_loaded, *tangram, "--cuda-graph-max-bs-prefill", "512").cuda_graph_config.prefill
         eager = _parse(sglang_loaded, *tangram, "--cuda-graph-backend-prefill", "disabled").cuda_graph_config.prefill
+        no_graphs = [_parse(sglang_loaded, *tangram, flag).cuda_graph_config
+                     for flag in ("--disable-cuda-graph", "--disable-prefill-cuda-graph")]
         stock = _parse(sglang_loaded, "--model-path", str(model_dir)).cuda_graph_config.prefill
     assert cuda.backend == "breakable" and cuda.max_bs == max(cuda.bs) == DEFAULT_PREFILL_GRAPH_MAX_TOKENS
     assert capped.backend == "breakable" and capped.max_bs == max(capped.bs) == 512
     assert eager.backend == "disabled" and stock.backend == "breakable" and stock.max_bs > cuda.max_bs
+    assert [(c.prefill.backend, c.decode.backend) for c in no_graphs] == [("disabled", "disabled"), ("disabled", "full")]
     # SGLang's overlap scheduler stays on (its default), and --disable-overlap-schedule still turns it off
     assert not sa.disable_overlap_schedule
     nov = _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
