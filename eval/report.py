@@ -51,9 +51,9 @@ HEADLINES = (
          "(today's default: prefill graphs for steps <= 1024 tokens), then long class (eager prefill, session 23)"),
      [(GRID_H100, f"{R1} short x{n}: throughput vs stock_flashinfer") for n in (8, 32, 64)]
      + [(LONG_H100, f"{R1_EAGER} long: throughput vs stock_flashinfer")]),
-    (5, ("accuracy, SmolLM2-135M (CPU path, 10 seeds pooled), tangram >= uniform at 0.5 and 0.25, and within 5 points "
+    (5, ("accuracy, SmolLM2-135M (CPU path, 14 seeds pooled), tangram >= uniform at 0.5 and 0.25, and within 5 points "
          "of full at 0.5; shown: tangram / uniform @0.5, tangram / uniform @0.25, full"),
-     _accuracy_sources("accuracy_cpu_p31_pooled", "[snapkv:pool_kernel=31]", "", 800,
+     _accuracy_sources("accuracy_cpu_p31_pooled", "[snapkv:pool_kernel=31]", "", 1120,
                        {"full": "1.000", "uniform@0.5": "0.596", "tangram@0.5": "0.608", "uniform@0.25": "0.360",
                         "tangram@0.25": "0.372"})),
     (5, "accuracy, Qwen2.5-Coder-0.5B (CPU path, 5 seeds pooled): the same, shown the same way",
