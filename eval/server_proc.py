@@ -134,8 +134,9 @@ def parse_server_spec(spec: str) -> tuple[str, str | None, list[str]]:
     ``tangram@<extend kernel>:<profile.json>`` (tangram's defaults), ``tangram-bcg...`` (breakable prefill CUDA graphs
     for every step size), ``tangram-bcg<N>...`` (for steps of at most N tokens, ``--cuda-graph-max-bs-prefill N``:
     question turns replay graphs, document chunks run eagerly; N = 1024 is tangram's default since session 27),
-    ``tangram-eager...`` (no prefill graphs: tangram's default through session 26, sessions 18-19 aside) and ``tangram-nooverlap...``
-    (the defaults with ``--disable-overlap-schedule``), the server specs the eval scripts take. A tangram label
+    ``tangram-eager...`` (no prefill graphs: tangram's default through session 26, sessions 18-19 aside) and
+    ``tangram-nooverlap...`` (the defaults with ``--disable-overlap-schedule``), the server specs the eval scripts
+    take. A tangram label
     names the extend kernel (the default one included), has ``bcg_`` (``bcg<N>_``) when breakable prefill CUDA
     graphs run, the default's included, and ``ov_`` when the overlap scheduler runs (the default since session 16):
     labels name what ran, so results from before a default changed keep their meaning."""

@@ -154,16 +154,18 @@ def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
                                 "building the next batch and its metadata); add --disable-overlap-schedule")
         if (refusal := overlap_conflict(fields.get)) is not None:
             raise KvPolicyError(refusal)
-    if prefill is None and sglang_graph_config.default_prefill_backend() == "breakable":
-        # only the size limit: SGLang still resolves the backend (--disable-cuda-graph, --disable-prefill-cuda-graph
-        # and its auto-disable rules keep working; a backend the tangram one cannot serve is refused at its start)
-        if fields.get("cuda_graph_max_bs_prefill") is None:
-            fields["cuda_graph_max_bs_prefill"] = DEFAULT_PREFILL_GRAPH_MAX_TOKENS
-        logger.info("--kv-policy tangram: breakable prefill CUDA graphs (SGLang's default here) for steps of at most "
-                    "%d tokens, longer steps eager (--cuda-graph-backend-prefill disabled: all eager)",
-                    fields["cuda_graph_max_bs_prefill"])
-    elif prefill is None:
+    if prefill is not None:
+        return
+    if sglang_graph_config.default_prefill_backend() != "breakable":
         fields["cuda_graph_backend_prefill"] = "disabled"
+        return
+    # only the size limit: SGLang still resolves the backend (--disable-cuda-graph, --disable-prefill-cuda-graph and
+    # its auto-disable rules keep working; a backend the tangram one cannot serve is refused at its start)
+    if fields.get("cuda_graph_max_bs_prefill") is None:
+        fields["cuda_graph_max_bs_prefill"] = DEFAULT_PREFILL_GRAPH_MAX_TOKENS
+    logger.info("--kv-policy tangram: breakable prefill CUDA graphs (SGLang's default here) for steps of at most %d "
+                "tokens, longer steps eager (--cuda-graph-backend-prefill disabled: all eager)",
+                fields["cuda_graph_max_bs_prefill"])
 
 
 def from_cli_args_around(original: Callable, cls: type, args: argparse.Namespace) -> Any:
