@@ -44,6 +44,7 @@ from tangram_sgl.kernels.decode import (
     paged_decode,
     paged_decode_torch,
 )
+from tangram_sgl.kernels.decode_balanced import BALANCED_PROGRAMS, balanced_paged_decode
 from tangram_sgl.kernels.flashinfer_decode import (
     StoredPlanDecode,
     pool_as_single_head_pages,
@@ -176,10 +177,11 @@ def host_time_ms(fn: Callable[[], object], reps: int = 15) -> float:
 
 def run_config(shape: Shape, profile: TangramProfile, batch: int, context: int, dev: str, tune: tuple[int, int, int],
                with_flashinfer: bool, gen: torch.Generator, extra_tc: bool, ours_cache: bool = True,
-               launch_splits: int = 0) -> dict:
+               launch_splits: int = 0, balanced_programs: int = 0) -> dict:
     """One (batch, context, budget) case: our kernel, and with ``with_flashinfer`` FlashInfer on the uncompressed
     cache, plus (``ours_cache``) FlashInfer plan()+run and stored plans on the same compressed cache.
-    ``launch_splits``: the launch's split dimension at least this (the extra programs exit at once)."""
+    ``launch_splits``: the launch's split dimension at least this (the extra programs exit at once);
+    ``balanced_programs``: also time the token-balanced decode with that many programs (0: not)."""
     c = build_cache(shape, profile, batch, context, dev, gen)
     D = shape.head_dim
     q = torch.randn(batch, shape.hq, D, device=dev, dtype=c.k.dtype)
@@ -208,6 +210,16 @@ def run_config(shape: Shape, profile: TangramProfile, batch: int, context: int, 
     res["triton_ms"], res["timing"] = gpu_time_ms(ours)
     res["triton_roofline_frac"] = res["roofline_ms"] / res["triton_ms"]
     res["triton_host_plan_ms"] = 0.0
+    if balanced_programs:
+        def balanced() -> torch.Tensor:
+            return balanced_paged_decode(q, c.k, c.v, starts, lens, c.kv_indices, c.head_group, c.head_column,
+                                         sm_scale=scale, num_programs=balanced_programs, block_n=block_n,
+                                         num_warps=warps, num_stages=stages)
+
+        res["balanced_programs"] = balanced_programs
+        res["balanced_max_abs_diff_vs_triton"] = float((balanced().float() - out.float()).abs().max())
+        res["balanced_ms"], res["balanced_timing"] = gpu_time_ms(balanced)
+        res["balanced_roofline_frac"] = res["roofline_ms"] / res["balanced_ms"]
     if batch * context <= 4096:
         ref = paged_decode_torch(q, c.k, c.v, *csr_ranges(c.kv_indptr), c.kv_indices, c.head_group, c.head_column, sm_scale=scale)
         res["max_abs_err_vs_torch"] = float((out.float() - ref.float()).abs().max())
@@ -394,7 +406,8 @@ def plot(results: list[dict], path: Path) -> None:
     budgets = sorted({r["mean_budget"] for r in results}, reverse=True)
     contexts = sorted({r["context"] for r in results})
     fig, axes = plt.subplots(len(budgets), len(contexts), figsize=(4.2 * len(contexts), 3.4 * len(budgets)), squeeze=False)
-    series = [("triton_ms", "Triton AOT split-KV", "o-"), ("fi_plan_total_ms", "FlashInfer plan()+run", "s--"),
+    series = [("triton_ms", "Triton AOT split-KV", "o-"), ("balanced_ms", "Triton token-balanced", "d-"),
+              ("fi_plan_total_ms", "FlashInfer plan()+run", "s--"),
               ("fi_plan_run_ms", "FlashInfer run (plan excluded)", "s:"), ("fi_stored_run_ms", "FlashInfer stored plan", "^-"),
               ("fi_full_tc_run_ms", "FlashInfer uncompressed", "x-"), ("roofline_ms", "roofline of kept bytes", "k-")]
     for i, b in enumerate(budgets):
@@ -445,6 +458,8 @@ def main() -> None:
     ap.add_argument("--fi-from", metavar="JSON",
                     help="with --no-flashinfer: copy the FlashInfer columns (fi_*) of the same (batch, context, "
                          "budget) from this earlier run (they do not depend on our kernel or AOT table)")
+    ap.add_argument("--balanced-programs", type=int, default=BALANCED_PROGRAMS,
+                    help="programs of the token-balanced decode timed beside the AOT-split one (0: not timed)")
     ap.add_argument("--out", default="eval/results/bench_kernels.json")
     ap.add_argument("--plot-from", nargs="+", metavar="JSON",
                     help="only plot: merge the results of these runs (later files' keys win) into --out's PNG")
@@ -497,7 +512,8 @@ def main() -> None:
     profiles = {m: synthetic_profile(shape, m, target_ctas) for m in {c[2] for c in configs}}
     for b, n, m in tqdm(configs, desc="configs"):
         r = run_config(shape, profiles[m], b, n, dev, tuple(tune["best"]), with_fi, gen, extra_tc=(b, n, m) == ANCHOR,
-                       ours_cache=args.fi_baselines == "all", launch_splits=args.launch_splits)
+                       ours_cache=args.fi_baselines == "all", launch_splits=args.launch_splits,
+                       balanced_programs=args.balanced_programs)
         r.update(fi_columns.get((b, n, m), {}))
         results.append(r)
         print(json.dumps({k: (round(x, 4) if isinstance(x, float) else x) for k, x in r.items() if k != "kept_tokens_per_head"}), flush=True)
@@ -547,11 +563,20 @@ def summary(results: list[dict]) -> list[dict]:
             if "fi_full_tc_run_ms" in r:
                 x = r["fi_full_tc_run_ms"] / r["triton_ms"]
                 rows.append(summary_row("speed-up vs FlashInfer uncompressed decode (anchor)", x, "x", ">= 3.6", x >= 3.6))
+            if "balanced_ms" in r:
+                rows.append(summary_row("decode ms/layer, B32 x 32k, mean budget 0.25 (Triton, token-balanced, "
+                                        f"{r['balanced_programs']} programs)", r["balanced_ms"], "ms", "<= 0.26",
+                                        r["balanced_ms"] <= 0.26))
     big = [r for r in results if r["batch"] >= 16 and "triton_roofline_frac" in r]
     if big:
         worst = min(r["triton_roofline_frac"] for r in big)
         rows.append(summary_row(f"worst roofline share at batch >= 16 ({cases(big)})", worst, "of 4.8 TB/s",
                                 ">= 0.85", worst >= 0.85))
+    balanced = [r for r in big if "balanced_roofline_frac" in r]
+    if balanced:
+        worst = min(r["balanced_roofline_frac"] for r in balanced)
+        rows.append(summary_row(f"token-balanced decode: worst roofline share at batch >= 16 ({cases(balanced)})",
+                                worst, "of 4.8 TB/s", ">= 0.85", worst >= 0.85))
     full = [r for r in results if r["mean_budget"] == 1.0 and "fi_full_tc_run_ms" in r and "triton_ms" in r]
     if full:
         worst = max(r["triton_ms"] / r["fi_full_tc_run_ms"] for r in full)

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,12 +36,19 @@ class ServerProcess:
     proc: subprocess.Popen | None = None
     started_s: float = field(default=0.0)
     pid: int | None = None  # the server's process (and session) id; set alone when attaching to a running one
+    _sigterm: object = field(default=None, init=False, repr=False)  # the SIGTERM handler ``__enter__`` replaced
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ServerProcess:
+        """Launch the server; refuses when something already answers on the port (a server left by a run that
+        was cut off would otherwise answer the health checks and serve this run's load in its place)."""
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", self.port)) == 0:
+                raise RuntimeError(f"port {self.port} is already in use (a server left running by an earlier, cut-off "
+                                   f"run?): stop it or pick another --port")
         cmd = [sys.executable, "-m", "sglang.launch_server", "--port", str(self.port), *self.args]
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as f:
@@ -111,10 +119,24 @@ class ServerProcess:
             os.killpg(self.pid, signal.SIGKILL)
 
     def __enter__(self) -> Self:
-        return self.start()
+        """Start; until ``__exit__``, SIGTERM (``timeout``'s signal) raises SystemExit in the main thread, so the
+        server, in its own process session, is stopped with its driver rather than left holding the GPU."""
+        self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            return self.start()
+        except BaseException:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            raise
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            signal.signal(signal.SIGTERM, self._sigterm)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def server_args(model_path: str, *, profile: str | None, extra: Sequence[str] = (),

@@ -27,6 +27,7 @@ import triton
 from tangram_sgl.kernels import (
     compaction,
     decode,
+    decode_balanced,
     extend,
     flashinfer_decode,
     pool_write,
@@ -39,7 +40,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 H200 = GPUTarget("cuda", 90, 32)
-HELPERS = {"_copy_rows"}  # jit functions called from kernels, compiled with them
+HELPERS = {"_copy_rows", "_sequence_range"}  # jit functions called from kernels, compiled with them
 DATA = {"Q", "K", "V", "O", "KNew", "VNew", "KSrc", "VSrc", "KStage", "VStage"}  # bf16 tensors
 PARTIALS = {"MidO", "MidLse", "Lse", "S"}  # fp32 tensors
 UNALIGNED_STRIDES = {"stride_sr"}  # strides of index tables (a row of G slots): not a multiple of 16 in general
@@ -90,6 +91,9 @@ def cases(d: int, gq: int) -> list[tuple]:
         (decode._decode_split_kernel, {"PAGE": 16, "GQ": gq, "BLOCK_H": block_h, "D": d, "BLOCK_N": block_n,
                                        "MAX_S": 32}, warps, stages),
         (decode._decode_merge_kernel, {"GQ": gq, "D": d, "MAX_S": 32, "BLOCK_S": 32}, 4, 3),
+        (decode_balanced._balanced_split_kernel, {"PAGE": 16, "GQ": gq, "BLOCK_H": block_h, "D": d,
+                                                  "BLOCK_N": block_n, "BLOCK_SEQ": 256}, warps, stages),
+        (decode_balanced._balanced_merge_kernel, {"GQ": gq, "BLOCK_H": block_h, "D": d, "BLOCK_SEQ": 256}, 4, 3),
         (extend._extend_kernel, {"PAGE": 16, "GQ": gq, "D": d, "BLOCK_M": ext_m, "BLOCK_N": ext_n, "SPLIT": False},
          ext_warps, ext_stages),
         (extend._extend_kernel, {"PAGE": 16, "GQ": gq, "D": d, "BLOCK_M": ext_m, "BLOCK_N": ext_n, "SPLIT": True},

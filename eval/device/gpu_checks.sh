@@ -50,6 +50,8 @@
 #           (kernels_short_configs / kernels_short_targets: those shapes under each of the tune's block configs / under
 #           AOT tables for CTA targets TARGETS="264 528 1056 2112", Triton only)
 #   kernels_short_exits  the same with 17 / 32 programs per (request, kv head), the extra ones exiting at once
+#   kernels_balanced  the token-balanced decode (every program an equal share of the kept tokens) beside the AOT-split
+#           kernel: the anchor at several program counts, the 32k-64k grid, the short shapes
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 #           (the serving FlashInfer path included); writes its JSON after every case
 #   jit_save / jit_restore  compiled FlashInfer JIT modules and Triton's cache, brought back and carried to a fresh machine
@@ -286,6 +288,17 @@ stage_kernels_short_targets() { local t; for t in ${TARGETS:-264 528 1056 2112};
 # short shapes (a table with a row per context would launch its largest row's grid at every context)
 stage_kernels_short_exits() { local n; for n in 17 32; do
   kernels_short_triton "bench_kernels_short_launch$n" --launch-splits "$n"; done; }
+# the token-balanced decode (kernels/decode_balanced.py) beside the served AOT-split kernel: the anchor under
+# BALANCED_PROGRAMS (programs a launch, default "264 396 528 792"), then the 32k-64k grid and the short shapes at the
+# default 396 (3 a SM); FlashInfer's columns copied from the earlier runs
+stage_kernels_balanced() { local n
+  for n in ${BALANCED_PROGRAMS:-264 396 528 792}; do
+    kernels_short_triton "bench_kernels_balanced_anchor_p$n" --batches 32 --contexts 32768 --budgets 0.25 \
+      --balanced-programs "$n"; done
+  (cd /tmp && timeout 300 python3 "$R"/eval/bench_kernels.py --no-tune --study-targets '' --no-flashinfer \
+    --fi-from "$R"/eval/results/bench_kernels_aot2.json --batches 16,32,64 --contexts 32768,65536 \
+    --out "$OUT"/bench_kernels_balanced.json 2>&1 | tail -8)
+  kernels_short_triton bench_kernels_short_balanced; }
 stage_extend() { (cd /tmp && timeout 540 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 # the GPU server's accuracy vs the CPU reference run, same conversations (after `smol`; ~3 min per server)
 stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \
@@ -336,4 +349,16 @@ exact_runs() {
     [ -e "$f" ] && { echo "== $f"; grep -iE "error|tangram|Traceback" "$f" | tail -15; }
   done; true
 }
-for s in "$@"; do echo "=== stage $s $(date +%T)"; "stage_$s"; done
+# a server an earlier call left behind (cut off at the call's limit: servers run in their own process session) holds
+# GPU memory and the port; only soak_finish wants the one soak_start left
+stop_stale_servers() {
+  local p; for p in $(pgrep -f -- "-m sglang.launch_server" || true); do kill -TERM -- -"$p" 2>/dev/null; done
+  for _ in $(seq 30); do pgrep -f -- "-m sglang.launch_server" >/dev/null || return 0; sleep 2; done
+  for p in $(pgrep -f -- "-m sglang.launch_server" || true); do kill -KILL -- -"$p" 2>/dev/null; done; sleep 5
+}
+for s in "$@"; do
+  echo "=== stage $s $(date +%T)"
+  [ "$s" = soak_finish ] || { pgrep -f -- "-m sglang.launch_server" >/dev/null && echo "stopping servers left running"
+                              stop_stale_servers; }
+  "stage_$s"
+done
