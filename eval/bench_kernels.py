@@ -177,11 +177,12 @@ def host_time_ms(fn: Callable[[], object], reps: int = 15) -> float:
 
 def run_config(shape: Shape, profile: TangramProfile, batch: int, context: int, dev: str, tune: tuple[int, int, int],
                with_flashinfer: bool, gen: torch.Generator, extra_tc: bool, ours_cache: bool = True,
-               launch_splits: int = 0, balanced_programs: int = 0) -> dict:
+               launch_splits: int = 0, balanced_programs: int = 0, balanced_maxnreg: int | None = None) -> dict:
     """One (batch, context, budget) case: our kernel, and with ``with_flashinfer`` FlashInfer on the uncompressed
     cache, plus (``ours_cache``) FlashInfer plan()+run and stored plans on the same compressed cache.
     ``launch_splits``: the launch's split dimension at least this (the extra programs exit at once);
-    ``balanced_programs``: also time the token-balanced decode with that many programs (0: not)."""
+    ``balanced_programs``: also time the token-balanced decode with that many programs (0: not), its split kernel's
+    registers capped at ``balanced_maxnreg`` if given."""
     c = build_cache(shape, profile, batch, context, dev, gen)
     D = shape.head_dim
     q = torch.randn(batch, shape.hq, D, device=dev, dtype=c.k.dtype)
@@ -214,9 +215,9 @@ def run_config(shape: Shape, profile: TangramProfile, batch: int, context: int, 
         def balanced() -> torch.Tensor:
             return balanced_paged_decode(q, c.k, c.v, starts, lens, c.kv_indices, c.head_group, c.head_column,
                                          sm_scale=scale, num_programs=balanced_programs, block_n=block_n,
-                                         num_warps=warps, num_stages=stages)
+                                         num_warps=warps, num_stages=stages, maxnreg=balanced_maxnreg)
 
-        res["balanced_programs"] = balanced_programs
+        res["balanced_programs"], res["balanced_maxnreg"] = balanced_programs, balanced_maxnreg
         res["balanced_max_abs_diff_vs_triton"] = float((balanced().float() - out.float()).abs().max())
         res["balanced_ms"], res["balanced_timing"] = gpu_time_ms(balanced)
         res["balanced_roofline_frac"] = res["roofline_ms"] / res["balanced_ms"]
@@ -460,6 +461,8 @@ def main() -> None:
                          "budget) from this earlier run (they do not depend on our kernel or AOT table)")
     ap.add_argument("--balanced-programs", type=int, default=BALANCED_PROGRAMS,
                     help="programs of the token-balanced decode timed beside the AOT-split one (0: not timed)")
+    ap.add_argument("--balanced-maxnreg", type=int, default=None,
+                    help="cap on the token-balanced split kernel's registers a thread (Triton's maxnreg)")
     ap.add_argument("--out", default="eval/results/bench_kernels.json")
     ap.add_argument("--plot-from", nargs="+", metavar="JSON",
                     help="only plot: merge the results of these runs (later files' keys win) into --out's PNG")
@@ -513,7 +516,7 @@ def main() -> None:
     for b, n, m in tqdm(configs, desc="configs"):
         r = run_config(shape, profiles[m], b, n, dev, tuple(tune["best"]), with_fi, gen, extra_tc=(b, n, m) == ANCHOR,
                        ours_cache=args.fi_baselines == "all", launch_splits=args.launch_splits,
-                       balanced_programs=args.balanced_programs)
+                       balanced_programs=args.balanced_programs, balanced_maxnreg=args.balanced_maxnreg)
         r.update(fi_columns.get((b, n, m), {}))
         results.append(r)
         print(json.dumps({k: (round(x, 4) if isinstance(x, float) else x) for k, x in r.items() if k != "kept_tokens_per_head"}), flush=True)
@@ -564,8 +567,9 @@ def summary(results: list[dict]) -> list[dict]:
                 x = r["fi_full_tc_run_ms"] / r["triton_ms"]
                 rows.append(summary_row("speed-up vs FlashInfer uncompressed decode (anchor)", x, "x", ">= 3.6", x >= 3.6))
             if "balanced_ms" in r:
+                cap = f", maxnreg {r['balanced_maxnreg']}" if r["balanced_maxnreg"] else ""
                 rows.append(summary_row("decode ms/layer, B32 x 32k, mean budget 0.25 (Triton, token-balanced, "
-                                        f"{r['balanced_programs']} programs)", r["balanced_ms"], "ms", "<= 0.26",
+                                        f"{r['balanced_programs']} programs{cap})", r["balanced_ms"], "ms", "<= 0.26",
                                         r["balanced_ms"] <= 0.26))
     big = [r for r in results if r["batch"] >= 16 and "triton_roofline_frac" in r]
     if big:

@@ -129,6 +129,7 @@ def _decode_merge_kernel(
 # both run it
 DECODE_CONFIG = (128, 4, 2)
 H200_SMS = 132  # streaming multiprocessors of the GPU the launch shapes are sized for
+DECODE_PROGRAMS_PER_SM = 3  # programs of DECODE_CONFIG one SM holds at once (tests/test_kernels_compile.py)
 
 
 def launch_order(head_budget: Sequence[float]) -> list[int]:

@@ -18,7 +18,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from tangram_sgl.kernels.decode import DECODE_CONFIG, H200_SMS, _block_h, _ranges_groups
+from tangram_sgl.kernels.decode import (
+    DECODE_CONFIG,
+    H200_SMS,
+    _block_h,
+    _ranges_groups,
+)
 
 
 @triton.jit
@@ -148,7 +153,14 @@ def _balanced_merge_kernel(
             tl.store(o_ptr, (acc / w_sum[:, None]).to(O.dtype.element_ty), mask=mask_h[:, None])
 
 
-BALANCED_PROGRAMS = 3 * H200_SMS  # the served decode config's resident programs per SM, times the SMs
+# one wave of this kernel's programs as the GPU's Triton 3.6 compiles it: 2 a SM (eval/results/kernel_resources.json)
+BALANCED_PROGRAMS = 2 * H200_SMS
+# register cap (Triton's ``maxnreg``) at which an SM holds 3 programs of 4 warps, as the AOT-split kernel's (65536 registers,
+# allocated 8 a thread at a time). Uncapped, the GPU's Triton 3.6 gives this kernel 201 registers (its piece loop costs
+# ~40 over one piece), 2 programs a SM; capped, 7 values of the piece loop spill, stored and loaded once a piece outside
+# the token loop (SASS read in session 28). Triton 3.8 needs 162 uncapped and spills inside the token loop capped.
+# Not applied by default: the GPU study (stage kernels_balanced) weighs it against 2 a SM x 132 programs.
+THREE_PER_SM_MAXNREG = 168
 
 
 def balanced_paged_decode(
@@ -166,10 +178,12 @@ def balanced_paged_decode(
     block_n: int = DECODE_CONFIG[0],
     num_warps: int = DECODE_CONFIG[1],
     num_stages: int = DECODE_CONFIG[2],
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of one layer over the head-group page pool, ``num_programs`` programs each reading an
     equal share of the batch's kept tokens; returns ``[B, Hq, D]`` like ``q``. Arguments as
-    :func:`tangram_sgl.kernels.decode.paged_decode` (no split table: the split follows the lengths)."""
+    :func:`tangram_sgl.kernels.decode.paged_decode` (no split table: the split follows the lengths); ``maxnreg``:
+    the split kernel's register cap, if any (``THREE_PER_SM_MAXNREG``)."""
     B, hq, D = q.shape
     hkv = head_group.shape[0]
     if hq % hkv:
@@ -193,7 +207,7 @@ def balanced_paged_decode(
         k_buffer.stride(0), k_buffer.stride(1), k_buffer.stride(2),
         v_buffer.stride(0), v_buffer.stride(1), v_buffer.stride(2),
         PAGE=k_buffer.shape[2], GQ=gq, BLOCK_H=bh, D=D, BLOCK_N=block_n, BLOCK_SEQ=block_seq,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     _balanced_merge_kernel[(B, hkv)](
         out, mid_o, mid_lse, kv_lens, head_group,

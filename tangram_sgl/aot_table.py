@@ -36,12 +36,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tangram_sgl.kernels.decode import H200_SMS
+from tangram_sgl.kernels.decode import DECODE_PROGRAMS_PER_SM, H200_SMS
 from tangram_sgl.profile import AotSplitTable, HeadGroup
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 TARGET_CANDIDATES = tuple(k * H200_SMS for k in (2, 4, 6, 8, 12, 16))
-DECODE_WAVE_CTAS = 3 * H200_SMS
+DECODE_WAVE_CTAS = DECODE_PROGRAMS_PER_SM * H200_SMS
 PER_PROGRAM_TOKENS = 256
 REFERENCE_CONTEXT = 8192
 DEFAULT_MAX_SPLITS = 32

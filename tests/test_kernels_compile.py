@@ -9,11 +9,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from tangram_sgl.kernels.decode import H200_SMS
+from tangram_sgl.kernels.decode_balanced import BALANCED_PROGRAMS
 
 from tangram_sgl.aot_table import DECODE_WAVE_CTAS
+
+RESULTS = Path(__file__).resolve().parent.parent / "eval" / "results"
 
 
 @pytest.fixture(scope="module")
@@ -42,3 +46,12 @@ def test_decode_kernel_occupancy_is_the_aot_simulations(compiled):
     decode = [k for k in compiled["compiled"] if k["case"].startswith("_decode_split_kernel d128")]
     assert len(decode) == 1
     assert decode[0]["per_sm"] == DECODE_WAVE_CTAS // H200_SMS, decode[0]
+
+
+def test_balanced_decode_launches_one_wave_on_the_gpus_triton():
+    """``BALANCED_PROGRAMS`` is as many programs as the H200 holds at once under its Triton (3.6), as
+    ``eval/kernel_resources.py`` last read them (CI's Triton compiles this kernel with fewer registers)."""
+    found = json.loads((RESULTS / "kernel_resources.json").read_text())["data"]
+    balanced = [k for k in found["served"] if k["case"].startswith("_balanced_split_kernel d128")]
+    assert found["triton"] == "3.6.0" and len(balanced) == 1
+    assert balanced[0]["per_sm"] * H200_SMS == BALANCED_PROGRAMS, balanced[0]

@@ -289,16 +289,24 @@ stage_kernels_short_targets() { local t; for t in ${TARGETS:-264 528 1056 2112};
 stage_kernels_short_exits() { local n; for n in 17 32; do
   kernels_short_triton "bench_kernels_short_launch$n" --launch-splits "$n"; done; }
 # the token-balanced decode (kernels/decode_balanced.py) beside the served AOT-split kernel: the anchor under
-# BALANCED_PROGRAMS (programs a launch, default "264 396 528 792"), then the 32k-64k grid and the short shapes at the
-# default 396 (3 a SM); FlashInfer's columns copied from the earlier runs
+# BALANCED_SWEEP (programs a launch, default "264 396 528"; Triton 3.6 holds 2 of its programs a SM, so 264, its
+# default, is one wave), at 396 with registers capped for 3 a SM (THREE_PER_SM_MAXNREG), and at 396 with block config
+# (64, 4, 2), which 3.6 compiles to 3 a SM (162 registers, 38 KB; the AOT kernel runs it too there), then the 32k-64k
+# grid and the short shapes with BALANCED_GRID_ARGS (bench_kernels arguments; default none); FlashInfer columns from
+# earlier runs
 stage_kernels_balanced() { local n
-  for n in ${BALANCED_PROGRAMS:-264 396 528 792}; do
+  for n in ${BALANCED_SWEEP:-264 396 528}; do
     kernels_short_triton "bench_kernels_balanced_anchor_p$n" --batches 32 --contexts 32768 --budgets 0.25 \
       --balanced-programs "$n"; done
+  kernels_short_triton bench_kernels_balanced_anchor_p396_r168 --batches 32 --contexts 32768 --budgets 0.25 \
+    --balanced-programs 396 --balanced-maxnreg 168
+  kernels_short_triton bench_kernels_balanced_anchor_p396_b64 --batches 32 --contexts 32768 --budgets 0.25 \
+    --balanced-programs 396 --triton-config 64,4,2
   (cd /tmp && timeout 300 python3 "$R"/eval/bench_kernels.py --no-tune --study-targets '' --no-flashinfer \
     --fi-from "$R"/eval/results/bench_kernels_aot2.json --batches 16,32,64 --contexts 32768,65536 \
-    --out "$OUT"/bench_kernels_balanced.json 2>&1 | tail -8)
-  kernels_short_triton bench_kernels_short_balanced; }
+    ${BALANCED_GRID_ARGS:-} --out "$OUT"/bench_kernels_balanced.json 2>&1 | tail -8)
+  rm -f "$OUT"/bench_kernels_balanced.png  # a call brings back 8 files at most; --plot-from redraws it here
+  kernels_short_triton bench_kernels_short_balanced ${BALANCED_GRID_ARGS:-}; }
 stage_extend() { (cd /tmp && timeout 540 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 # the GPU server's accuracy vs the CPU reference run, same conversations (after `smol`; ~3 min per server)
 stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \
