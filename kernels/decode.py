@@ -31,6 +31,38 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend_range(q, K, V, KvIndices, kv_start, c, lo, hi, sm_scale,
+                  stride_kp, stride_kc, stride_kt, stride_vp, stride_vc, stride_vt,
+                  PAGE: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax of ``q`` ([BLOCK_H, D], one kv head's query rows) over tokens [lo, hi) of the slot list at
+    ``KvIndices + kv_start``, column ``c`` of the pages: (unnormalised acc, running max, running sum)."""
+    q = q.to(K.dtype.element_ty)  # unscaled: the scale multiplies the fp32 dot product, as SGLang's kernels
+    offs_d = tl.arange(0, D)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        slot = tl.load(KvIndices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+        page = slot // PAGE
+        tok = slot % PAGE
+        k_row = page * stride_kp + c * stride_kc + tok * stride_kt
+        v_row = page * stride_vp + c * stride_vc + tok * stride_vt
+        k = tl.load(K + k_row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * sm_scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        v = tl.load(V + v_row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, O, MidO, MidLse,
     KvStarts, KvLens, KvIndices, HeadGroup, HeadColumn, HeadOrder, Splits,
@@ -65,28 +97,9 @@ def _decode_split_kernel(
             Q + r * stride_qb + (h * GQ + offs_h)[:, None] * stride_qh + offs_d[None, :],
             mask=mask_h[:, None], other=0.0,
         )
-        q = q.to(K.dtype.element_ty)  # unscaled: the scale multiplies the fp32 dot product, as SGLang's kernels
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < hi
-            slot = tl.load(KvIndices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-            page = slot // PAGE
-            tok = slot % PAGE
-            k_row = page * stride_kp + c * stride_kc + tok * stride_kt
-            v_row = page * stride_vp + c * stride_vc + tok * stride_vt
-            k = tl.load(K + k_row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k)) * sm_scale
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            v = tl.load(V + v_row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+        acc, m_i, l_i = _attend_range(q, K, V, KvIndices, kv_start, c, lo, hi, sm_scale,
+                                      stride_kp, stride_kc, stride_kt, stride_vp, stride_vc, stride_vt,
+                                      PAGE, BLOCK_H, D, BLOCK_N)
         out = acc / l_i[:, None]
         if num_chunks == 1:
             tl.store(o_ptr, out.to(O.dtype.element_ty), mask=mask_h[:, None])
@@ -153,6 +166,18 @@ def _block_h(gq: int) -> int:
     return max(16, triton.next_power_of_2(gq))
 
 
+def _decode_shapes(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_starts: torch.Tensor,
+                   kv_lens: torch.Tensor, head_group: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(B, D, Hkv, G_q, groups) of a decode launch, the pool contract's shapes and strides checked."""
+    B, hq, D = q.shape
+    hkv = head_group.shape[0]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} are not a multiple of kv heads {hkv}")
+    if k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q, k_buffer and v_buffer must be contiguous along head_dim")
+    return B, D, hkv, hq // hkv, _ranges_groups(kv_starts, kv_lens, B)
+
+
 def paged_decode(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -180,16 +205,9 @@ def paged_decode(
     per-bucket constant); head_order: int32 [Hkv] permutation of the kv heads, the issue order (default
     0..Hkv-1; pass ``launch_order`` of the heads' group budgets). An empty (request, group) gives zeros.
     """
-    B, hq, D = q.shape
-    hkv = head_group.shape[0]
-    if hq % hkv:
-        raise ValueError(f"query heads {hq} are not a multiple of kv heads {hkv}")
     if min_split_tokens < 1 or max_splits < 1:
         raise ValueError("min_split_tokens and max_splits must be >= 1")
-    if k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("q, k_buffer and v_buffer must be contiguous along head_dim")
-    num_groups = _ranges_groups(kv_starts, kv_lens, B)
-    gq = hq // hkv
+    B, D, hkv, gq, num_groups = _decode_shapes(q, k_buffer, v_buffer, kv_starts, kv_lens, head_group)
     bh = _block_h(gq)
     page = k_buffer.shape[2]
     out = torch.empty_like(q)
@@ -209,7 +227,7 @@ def paged_decode(
     )
     if max_splits == 1:  # every (request, kv head) is one chunk, written directly
         return out
-    _decode_merge_kernel[(B, hq)](
+    _decode_merge_kernel[(B, q.shape[1])](
         out, mid_o, mid_lse, kv_lens, head_group, splits,
         num_groups, min_split_tokens, out.stride(0), out.stride(1),
         GQ=gq, D=D, MAX_S=max_splits, BLOCK_S=triton.next_power_of_2(max_splits), num_warps=4,

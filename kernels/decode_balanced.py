@@ -18,12 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from tangram_sgl.kernels.decode import (
-    DECODE_CONFIG,
-    H200_SMS,
-    _block_h,
-    _ranges_groups,
-)
+from tangram_sgl.kernels.decode import DECODE_CONFIG, H200_SMS, _attend_range, _block_h, _decode_shapes
 
 
 @triton.jit
@@ -76,28 +71,9 @@ def _balanced_split_kernel(
             kv_start = tl.load(KvStarts + r * num_groups + g).to(tl.int64)
             q = tl.load(Q + r * stride_qb + (h * GQ + offs_h)[:, None] * stride_qh + offs_d[None, :],
                         mask=mask_h[:, None], other=0.0)
-            q = q.to(K.dtype.element_ty)
-            m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_H], tl.float32)
-            acc = tl.zeros([BLOCK_H, D], tl.float32)
-            for start in range(a, b, BLOCK_N):
-                offs_n = start + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < b
-                slot = tl.load(KvIndices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-                page = slot // PAGE
-                tok = slot % PAGE
-                k = tl.load(K + (page * stride_kp + c * stride_kc + tok * stride_kt)[:, None] + offs_d[None, :],
-                            mask=mask_n[:, None], other=0.0)
-                qk = tl.dot(q, tl.trans(k)) * sm_scale
-                qk = tl.where(mask_n[None, :], qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                alpha = tl.exp(m_i - m_new)
-                prob = tl.exp(qk - m_new[:, None])
-                v = tl.load(V + (page * stride_vp + c * stride_vc + tok * stride_vt)[:, None] + offs_d[None, :],
-                            mask=mask_n[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
-                l_i = l_i * alpha + tl.sum(prob, 1)
-                m_i = m_new
+            acc, m_i, l_i = _attend_range(q, K, V, KvIndices, kv_start, c, a, b, sm_scale,
+                                          stride_kp, stride_kc, stride_kt, stride_vp, stride_vc, stride_vt,
+                                          PAGE, BLOCK_H, D, BLOCK_N)
             out = acc / l_i[:, None]
             if (a == 0) & (b == n):  # the whole sequence is this program's: no merge
                 tl.store(O + r * stride_ob + (h * GQ + offs_h)[:, None] * stride_oh + offs_d[None, :],
@@ -184,16 +160,9 @@ def balanced_paged_decode(
     equal share of the batch's kept tokens; returns ``[B, Hq, D]`` like ``q``. Arguments as
     :func:`tangram_sgl.kernels.decode.paged_decode` (no split table: the split follows the lengths); ``maxnreg``:
     the split kernel's register cap, if any (``THREE_PER_SM_MAXNREG``)."""
-    B, hq, D = q.shape
-    hkv = head_group.shape[0]
-    if hq % hkv:
-        raise ValueError(f"query heads {hq} are not a multiple of kv heads {hkv}")
     if num_programs < 1:
         raise ValueError("num_programs must be >= 1")
-    if k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("q, k_buffer and v_buffer must be contiguous along head_dim")
-    num_groups = _ranges_groups(kv_starts, kv_lens, B)
-    gq = hq // hkv
+    B, D, hkv, gq, num_groups = _decode_shapes(q, k_buffer, v_buffer, kv_starts, kv_lens, head_group)
     bh = _block_h(gq)
     block_seq = triton.next_power_of_2(B * hkv)
     out = torch.empty_like(q)
