@@ -303,7 +303,8 @@ def short_label(run: dict) -> str:
     label = run["label"]
     bcg = re.search(r"_bcg(\d*)_", label)  # bcg<N>: graphs for steps of at most N tokens
     graphs = "" if bcg is None else f", prefill graphs ≤ {bcg[1]} tokens" if bcg[1] else ", prefill graphs"
-    return f"{name} ({kernel}{graphs}{', overlap' * ('_ov_' in label)})"
+    decode = ", balanced decode" * ("_bal_" in label)
+    return f"{name} ({kernel}{decode}{graphs}{', overlap' * ('_ov_' in label)})"
 
 
 def plot(runs: list[dict], path: Path) -> None:

@@ -157,21 +157,23 @@ def parse_server_spec(spec: str) -> tuple[str, str | None, list[str]]:
     for every step size), ``tangram-bcg<N>...`` (for steps of at most N tokens, ``--cuda-graph-max-bs-prefill N``:
     question turns replay graphs, document chunks run eagerly; N = 1024 is tangram's default since session 27),
     ``tangram-eager...`` (no prefill graphs: tangram's default through session 26, sessions 18-19 aside) and
-    ``tangram-nooverlap...`` (the defaults with ``--disable-overlap-schedule``), the server specs the eval scripts
-    take. A tangram label
-    names the extend kernel (the default one included), has ``bcg_`` (``bcg<N>_``) when breakable prefill CUDA
-    graphs run, the default's included, and ``ov_`` when the overlap scheduler runs (the default since session 16):
-    labels name what ran, so results from before a default changed keep their meaning."""
+    ``tangram-nooverlap...`` (the defaults with ``--disable-overlap-schedule``), each optionally followed by
+    ``-balanced`` (``--tangram-decode-kernel balanced``), the server specs the eval scripts take. A tangram label
+    names the extend kernel (the default one included), has ``bal_`` for the token-balanced decode, ``bcg_``
+    (``bcg<N>_``) when breakable prefill CUDA graphs run, the default's included, and ``ov_`` when the overlap
+    scheduler runs (the default since session 16): labels name what ran, so results from before a default changed
+    keep their meaning."""
     kind, _, arg = spec.partition(":")
     kind, _, extend_kernel = kind.partition("@")
     if kind == "stock" and arg and not extend_kernel:
         return f"stock_{arg}", None, ["--attention-backend", arg]
     if kind == "stock-nooverlap" and arg and not extend_kernel:
         return f"stock_{arg}_nooverlap", None, ["--attention-backend", arg, "--disable-overlap-schedule"]
-    variant = re.fullmatch(r"tangram(?:-(bcg)(\d*)|-(eager)|-(nooverlap))?", kind)
+    variant = re.fullmatch(r"tangram(?:-(bcg)(\d*)|-(eager)|-(nooverlap))?(-balanced)?", kind)
     if variant and arg:
-        bcg, max_tokens, eager, nooverlap = variant.groups()
+        bcg, max_tokens, eager, nooverlap, balanced = variant.groups()
         flags = ["--tangram-extend-kernel", extend_kernel] if extend_kernel else []
+        flags += ["--tangram-decode-kernel", "balanced"] if balanced else []
         if bcg:
             flags += ["--cuda-graph-backend-prefill", "breakable"]
             flags += ["--cuda-graph-max-bs-prefill", max_tokens] if max_tokens else []
@@ -181,10 +183,10 @@ def parse_server_spec(spec: str) -> tuple[str, str | None, list[str]]:
             bcg, max_tokens = "bcg", str(DEFAULT_PREFILL_GRAPH_MAX_TOKENS)
         if nooverlap:
             flags.append("--disable-overlap-schedule")
-        tags = f"bcg{max_tokens}_" * bool(bcg) + "ov_" * (not nooverlap)
+        tags = "bal_" * bool(balanced) + f"bcg{max_tokens}_" * bool(bcg) + "ov_" * (not nooverlap)
         return f"tangram_{extend_kernel or DEFAULT_EXTEND_KERNEL}_{tags}{Path(arg).stem}", arg, flags
     raise ValueError(f"server spec {spec!r}: expected stock:<attention backend>, stock-nooverlap:<attention "
-                     f"backend> or tangram[-bcg|-bcg<max tokens>|-eager|-nooverlap][@<extend kernel>]:<profile.json>")
+                     f"backend> or tangram[-bcg|-bcg<max tokens>|-eager|-nooverlap][-balanced][@<extend kernel>]:<profile.json>")
 
 
 PREFILL_LINE = re.compile(r"Prefill batch.*#new-token: (\d+).*input throughput \(token/s\): ([\d.]+)")

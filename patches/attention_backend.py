@@ -14,7 +14,7 @@ from typing import Any
 
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
 from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
-from tangram_sgl.patches.server_args import ENV_EXTEND_KERNEL
+from tangram_sgl.patches.server_args import ENV_DECODE_KERNEL, ENV_EXTEND_KERNEL
 
 BACKEND_NAME = "tangram"
 
@@ -23,7 +23,8 @@ def create_tangram_backend(runner: Any) -> Any:
     """SGLang attention-backend factory for ``tangram`` (``runner``: SGLang's ``ModelRunner``)."""
     from tangram_sgl.attention.backend import TangramAttnBackend
 
-    return TangramAttnBackend(runner, extend_kernel=os.environ.get(ENV_EXTEND_KERNEL))
+    return TangramAttnBackend(runner, extend_kernel=os.environ.get(ENV_EXTEND_KERNEL),
+                              decode_kernel=os.environ.get(ENV_DECODE_KERNEL))
 
 
 def register() -> None:

@@ -1,11 +1,10 @@
 """Seam: ``sglang.srt.server_args.ServerArgs`` — the ``--kv-policy`` / ``--tangram-profile`` /
-``--tangram-extend-kernel`` options.
+``--tangram-extend-kernel`` / ``--tangram-decode-kernel`` options.
 
 SGLang's ServerArgs is a dataclass with no plugin fields, so the policy is *mapped* onto existing fields:
 ``--kv-policy tangram`` sets ``attention_backend="tangram"``, ``radix_cache_backend="tangram"`` and the
-profile's page size, and exports ``TANGRAM_KV_POLICY`` / ``TANGRAM_PROFILE`` / ``TANGRAM_EXTEND_KERNEL`` into
-``os.environ`` so the
-scheduler processes SGLang spawns (they inherit the environment) know the policy and the profile.
+profile's page size, and exports ``TANGRAM_KV_POLICY`` / ``TANGRAM_PROFILE`` / ``TANGRAM_EXTEND_KERNEL`` /
+``TANGRAM_DECODE_KERNEL`` into ``os.environ`` so the scheduler processes SGLang spawns (they inherit the environment) know the policy and the profile.
 
 Hooks: AFTER ``ServerArgs.add_cli_args`` (adds the options to the parser), AROUND
 ``ServerArgs.from_cli_args`` (CLI path) and AROUND ``ServerArgs.__init__`` (``sglang.Engine(kv_policy=...)``
@@ -17,7 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from sglang.srt.environ import envs
 from sglang.srt.model_executor import cuda_graph_config as sglang_graph_config
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from tangram_sgl.attention.kernel_set import DECODE_VARIANTS
 from tangram_sgl.attention.servable import PREFILL_GRAPH_BACKENDS, overlap_conflict
 from tangram_sgl.profile import load_profile
 
@@ -37,6 +37,13 @@ EXTEND_KERNELS = ("triton", "flashinfer", "mixed")
 # FlashInfer for prefill chunks (faster on the H200 there, eval/results/bench_extend.json), the Triton kernel for
 # question-sized steps (fewer host launches per layer: 0.64/0.73/0.77 -> 0.76/0.84/0.81x stock, bench_serving_grid)
 DEFAULT_EXTEND_KERNEL = "mixed"
+ENV_DECODE_KERNEL = "TANGRAM_DECODE_KERNEL"
+DECODE_KERNELS = DECODE_VARIANTS
+# the split-KV decode with the profile's AOT split table, measured on the H200; the token-balanced one is not yet
+DEFAULT_DECODE_KERNEL = "aot"
+# ServerArgs-style field of each kernel choice -> (its environment variable, choices, default)
+KERNEL_CHOICES = {"tangram_extend_kernel": (ENV_EXTEND_KERNEL, EXTEND_KERNELS, DEFAULT_EXTEND_KERNEL),
+                  "tangram_decode_kernel": (ENV_DECODE_KERNEL, DECODE_KERNELS, DEFAULT_DECODE_KERNEL)}
 # On CUDA, breakable prefill CUDA graphs for steps of at most this many tokens (question turns replay graphs, document
 # chunks run eagerly): 0.97 / 0.99 / 0.99x stock against eager prefill's 0.96 / 0.98 / 0.98x on an H100, short class
 # at 8 / 32 / 64 sessions (session 27, bench_serving_grid_h100)
@@ -72,24 +79,36 @@ def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
                             "(FlashInfer's chunk + per-(request, kv head) prefix passes, planned once per step) or "
                             "'triton' (our Triton extend kernel, one launch per layer; 2.4-2.9x slower than "
                             "FlashInfer on 8k-token chunks, eval/results/bench_extend.json).")
+    group.add_argument("--tangram-decode-kernel", choices=DECODE_KERNELS, default=None,
+                       help="Decode attention of the tangram backend: 'aot' (default: split-KV with the profile's "
+                            "AOT split table) or 'balanced' (every program an equal share of the batch's kept "
+                            "tokens; kernels/decode_balanced.py, not yet measured on a GPU).")
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
 def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profile_path: str | None,
-                    extend_kernel: str | None = None) -> None:
+                    kernels: Mapping[str, str | None] | None = None) -> None:
     """Rewrite ServerArgs field values in place for ``policy``; export the policy for child processes.
 
-    ``fields`` maps ServerArgs field names to the values the user gave (absent or None = unset).
+    ``fields`` maps ServerArgs field names to the values the user gave (absent or None = unset); ``kernels`` maps
+    :data:`KERNEL_CHOICES` fields (``tangram_extend_kernel``, ...) to the values given.
     """
     policy = policy or "default"
     if policy not in KV_POLICIES:
         raise KvPolicyError(f"--kv-policy: expected one of {KV_POLICIES}, got {policy!r}")
-    if extend_kernel not in (None, *EXTEND_KERNELS):
-        raise KvPolicyError(f"--tangram-extend-kernel: expected one of {EXTEND_KERNELS}, got {extend_kernel!r}")
+    kernels = {name: value for name, value in (kernels or {}).items() if value is not None}
+    for name, value in kernels.items():
+        if name not in KERNEL_CHOICES or value not in KERNEL_CHOICES[name][1]:
+            choices = KERNEL_CHOICES[name][1] if name in KERNEL_CHOICES else ()
+            raise KvPolicyError(f"{_flag(name)}: expected one of {choices}, got {value!r}")
     if policy == "default":
-        if profile_path or extend_kernel:
-            given = "--tangram-profile" if profile_path else "--tangram-extend-kernel"
+        if profile_path or kernels:
+            given = "--tangram-profile" if profile_path else _flag(next(iter(kernels)))
             raise KvPolicyError(f"{given} was given without --kv-policy tangram")
-        for name in (ENV_POLICY, ENV_PROFILE, ENV_EXTEND_KERNEL):
+        for name in (ENV_POLICY, ENV_PROFILE, *(env for env, _, _ in KERNEL_CHOICES.values())):
             os.environ.pop(name, None)
         return
     if not profile_path:
@@ -121,7 +140,8 @@ def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profil
     fields["page_size"] = profile.page_size
     os.environ[ENV_POLICY] = "tangram"
     os.environ[ENV_PROFILE] = str(Path(profile_path).resolve())
-    os.environ[ENV_EXTEND_KERNEL] = extend_kernel or DEFAULT_EXTEND_KERNEL
+    for name, (env, _, default) in KERNEL_CHOICES.items():
+        os.environ[env] = kernels.get(name, default)
 
 
 def _disable_unsupported_defaults(fields: MutableMapping[str, Any]) -> None:
@@ -172,17 +192,18 @@ def from_cli_args_around(original: Callable, cls: type, args: argparse.Namespace
     """AROUND ServerArgs.from_cli_args: map --kv-policy onto the namespace before SGLang reads it."""
     fields = vars(args)
     apply_kv_policy(fields, fields.pop("kv_policy", None), fields.pop("tangram_profile", None),
-                    fields.pop("tangram_extend_kernel", None))
+                    {name: fields.pop(name, None) for name in KERNEL_CHOICES})
     return original(cls, args)
 
 
 def init_around(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
-    """AROUND ServerArgs.__init__: accept ``kv_policy=`` / ``tangram_profile=`` keywords (Engine API)."""
+    """AROUND ServerArgs.__init__: accept ``kv_policy=`` / ``tangram_profile=`` / ``tangram_*_kernel=`` keywords
+    (Engine API)."""
     policy = kwargs.pop("kv_policy", None)
     profile = kwargs.pop("tangram_profile", None)
-    extend_kernel = kwargs.pop("tangram_extend_kernel", None)
-    if policy is not None or profile is not None or extend_kernel is not None:
-        apply_kv_policy(kwargs, policy, profile, extend_kernel)
+    kernels = {name: kwargs.pop(name, None) for name in KERNEL_CHOICES}
+    if policy is not None or profile is not None or any(v is not None for v in kernels.values()):
+        apply_kv_policy(kwargs, policy, profile, kernels)
     original(self, *args, **kwargs)
 
 

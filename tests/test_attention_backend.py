@@ -278,14 +278,15 @@ class Harness:
 
     def __init__(self, model: LlamaForCausalLM, profile: TangramProfile, pages: int, kernels: str | None = None,
                  kv: TangramKVManager | None = None, graph_buckets: tuple[int, ...] = (),
-                 prefill_buckets: tuple[int, ...] = ()):
+                 prefill_buckets: tuple[int, ...] = (), decode_kernel: str | None = None):
         self.model = model
         install(model)
         self.kv = kv or TangramKVManager.from_profile(profile, pages, dtype=torch.float32, device=DEV)
         sa = {"cuda_graph_config": CudaGraphConfig(decode=PhaseConfig(backend=Backend.DISABLED),
                                                    prefill=PhaseConfig(backend=Backend.BREAKABLE))} \
             if prefill_buckets else {}
-        self.backend = TangramAttnBackend(fake_runner(self.kv, model.config, **sa), profile, kernels=kernels)
+        self.backend = TangramAttnBackend(fake_runner(self.kv, model.config, **sa), profile, kernels=kernels,
+                                          decode_kernel=decode_kernel)
         self.layers = [RadixAttention(HEADS, HEAD_DIM, HEAD_DIM ** -0.5, KV_HEADS, layer_id=i) for i in range(LAYERS)]
         self.dense_cache: dict[str, dict] = {}  # conversation (first letter of the rid) -> _DenseCacheStep cache
         self.checked_rows = 0
@@ -728,18 +729,31 @@ def test_through_sglang_radix_cache_and_reservation_hook(budget, monkeypatch):
     check_invariants(h.kv, deep=True)
 
 
-def test_triton_kernels_match_the_torch_path():
+def test_triton_kernels_match_the_torch_path(monkeypatch):
     """The kernels the backend selects on CUDA (Triton; here under TRITON_INTERPRET=1), with an AOT table whose
-    small min_split_tokens makes decode split and merge: the same answers, every row checked as above."""
+    small min_split_tokens makes decode split and merge, and the token-balanced decode (--tangram-decode-kernel
+    balanced; 5 programs, so that sequences cross programs, and the interpreter runs few): the same answers, every
+    row checked as above."""
+    monkeypatch.setattr("tangram_sgl.attention.kernel_set.BALANCED_PROGRAMS", 5)
     model = tiny_llama(2)
     profile = mixed_profile(model.config, 16, 3, seed=11, min_split_tokens=4)
     runs = []
-    for kernels in ("torch", "triton"):
-        h = Harness(copy.deepcopy(model), profile, pages=400, kernels=kernels)
-        assert h.backend.context.kernels.name == kernels
+    for kernels, decode in (("torch", None), ("triton", None), ("triton", "balanced")):
+        h = Harness(copy.deepcopy(model), profile, pages=400, kernels=kernels, decode_kernel=decode)
+        assert (h.backend.context.kernels.name, h.backend.context.kernels.decode_variant) == (kernels, decode or "aot")
         runs.append(run_conversations(h, seed=3))
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]
     assert max(profile.aot_split.splits_for(2)) > 1
+
+
+def test_the_balanced_decode_needs_the_triton_kernels():
+    """No silent fallback: the torch references have no token-balanced variant, so asking for it on them fails."""
+    model = tiny_llama(2)
+    profile = mixed_profile(model.config, 16, 3, seed=11)
+    with pytest.raises(ValueError, match="needs the pool on a CUDA device"):
+        Harness(copy.deepcopy(model), profile, pages=100, kernels="torch", decode_kernel="balanced")
+    with pytest.raises(ValueError, match="unknown decode kernel 'splitk'"):
+        Harness(copy.deepcopy(model), profile, pages=100, kernels="triton", decode_kernel="splitk")
 
 
 # ---------------------------------------------------------------------------------------------- (c) factory

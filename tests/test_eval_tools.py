@@ -417,6 +417,11 @@ def test_server_specs():
                                                      "breakable", "--cuda-graph-max-bs-prefill", "1024"])
     assert parse_server_spec("tangram-nooverlap:/p/x.json") == (
         "tangram_mixed_bcg1024_x", "/p/x.json", ["--disable-overlap-schedule"])
+    assert parse_server_spec("tangram-balanced:/p/x.json") == (
+        "tangram_mixed_bal_bcg1024_ov_x", "/p/x.json", ["--tangram-decode-kernel", "balanced"])
+    assert parse_server_spec("tangram-eager-balanced@triton:/p/x.json") == (
+        "tangram_triton_bal_ov_x", "/p/x.json", ["--tangram-extend-kernel", "triton", "--tangram-decode-kernel",
+                                                "balanced", "--cuda-graph-backend-prefill", "disabled"])
     with pytest.raises(ValueError, match="expected stock"):
         parse_server_spec("tangram-bcgx:/p/x.json")
     with pytest.raises(ValueError, match="expected stock"):
@@ -441,6 +446,9 @@ def test_plot_labels_are_short():
                                       "target_ratio": 1.0}) == "tangram r1 (mixed, prefill graphs, overlap)"
     assert bench_serving.short_label({"server": "tangram-bcg1024:/p/x.json", "label": "tangram_mixed_bcg1024_ov_x",
                                       "target_ratio": 1.0}) == "tangram r1 (mixed, prefill graphs ≤ 1024 tokens, overlap)"
+    assert bench_serving.short_label({"server": "tangram-balanced:/p/x.json", "label": "tangram_mixed_bal_bcg1024_ov_x",
+                                      "target_ratio": 0.25}) == (
+        "tangram r0.25 (mixed, balanced decode, prefill graphs ≤ 1024 tokens, overlap)")
 
 
 def test_prefill_chunk_rates_from_a_server_log():

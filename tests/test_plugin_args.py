@@ -50,7 +50,7 @@ def profile_path(tmp_path, model_dir):
 def clean_env(monkeypatch):
     """The exported policy starts unset and is unset again after the test (set-then-delete makes monkeypatch
     restore the variable's absence, so what a test's parse exports cannot leak into later modules)."""
-    for name in ("TANGRAM_KV_POLICY", "TANGRAM_PROFILE", "TANGRAM_EXTEND_KERNEL"):
+    for name in ("TANGRAM_KV_POLICY", "TANGRAM_PROFILE", "TANGRAM_EXTEND_KERNEL", "TANGRAM_DECODE_KERNEL"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
 
@@ -65,10 +65,10 @@ def test_kv_policy_reaches_resolved_server_args(sglang_loaded, model_dir, profil
     assert (sa.attention_backend, sa.radix_cache_backend, sa.page_size) == ("tangram", "tangram", 16)
     assert os.environ["TANGRAM_KV_POLICY"] == "tangram"
     assert os.environ["TANGRAM_PROFILE"] == str(profile_path.resolve())
-    assert os.environ["TANGRAM_EXTEND_KERNEL"] == "mixed"
+    assert (os.environ["TANGRAM_EXTEND_KERNEL"], os.environ["TANGRAM_DECODE_KERNEL"]) == ("mixed", "aot")
     _parse(sglang_loaded, "--model-path", str(model_dir), "--kv-policy", "tangram", "--tangram-profile",
-           str(profile_path), "--tangram-extend-kernel", "triton")
-    assert os.environ["TANGRAM_EXTEND_KERNEL"] == "triton"
+           str(profile_path), "--tangram-extend-kernel", "triton", "--tangram-decode-kernel", "balanced")
+    assert (os.environ["TANGRAM_EXTEND_KERNEL"], os.environ["TANGRAM_DECODE_KERNEL"]) == ("triton", "balanced")
 
 
 def test_default_policy_leaves_sglang_untouched(sglang_loaded, model_dir):
@@ -105,11 +105,25 @@ def test_incompatible_flags_fail_clearly(sglang_loaded, model_dir, profile_path,
         _parse(sglang_loaded, *argv)
 
 
-def test_extend_kernel_needs_the_tangram_policy(sglang_loaded, model_dir):
+@pytest.mark.parametrize("flag,value", [("--tangram-extend-kernel", "flashinfer"), ("--tangram-decode-kernel", "aot")])
+def test_kernel_choices_need_the_tangram_policy(sglang_loaded, model_dir, flag, value):
     from tangram_sgl.patches.server_args import KvPolicyError
 
-    with pytest.raises(KvPolicyError, match="--tangram-extend-kernel was given without --kv-policy tangram"):
-        _parse(sglang_loaded, "--model-path", str(model_dir), "--tangram-extend-kernel", "flashinfer")
+    with pytest.raises(KvPolicyError, match=f"{flag} was given without --kv-policy tangram"):
+        _parse(sglang_loaded, "--model-path", str(model_dir), flag, value)
+
+
+def test_engine_keywords_choose_the_kernels(sglang_loaded, model_dir, profile_path):
+    """``sglang.Engine(tangram_decode_kernel=...)``: the keyword reaches the scheduler's environment; a bad one is
+    refused by its flag's name."""
+    from tangram_sgl.patches.server_args import KvPolicyError
+
+    sglang_loaded.ServerArgs(model_path=str(model_dir), device="cpu", kv_policy="tangram",
+                             tangram_profile=str(profile_path), tangram_decode_kernel="balanced")
+    assert (os.environ["TANGRAM_EXTEND_KERNEL"], os.environ["TANGRAM_DECODE_KERNEL"]) == ("mixed", "balanced")
+    with pytest.raises(KvPolicyError, match=r"--tangram-decode-kernel: expected one of \('aot', 'balanced'\)"):
+        sglang_loaded.ServerArgs(model_path=str(model_dir), device="cpu", kv_policy="tangram",
+                                 tangram_profile=str(profile_path), tangram_decode_kernel="splitk")
 
 
 def test_bad_profile_fails_at_parse_time(sglang_loaded, model_dir, tmp_path):
@@ -166,6 +180,7 @@ def test_launch_server_help_lists_the_options():
     assert "--kv-policy" in out.stdout and "--tangram-profile" in out.stdout
     assert "{default,tangram}" in out.stdout
     assert "--tangram-extend-kernel {triton,flashinfer,mixed}" in out.stdout
+    assert "--tangram-decode-kernel {aot,balanced}" in out.stdout
 
 
 def test_selecting_the_backend_builds_it_or_names_the_flag(sglang_loaded, model_dir, profile_path, monkeypatch):

@@ -17,6 +17,7 @@
 #           another class): stock flashinfer; tangram at r0.25, 1.0, 0.5;
 #           merge the returned JSONs here with `python eval/bench_serving.py --merge ...`
 #   bench_r1_triton / bench_r025_triton   the same with --tangram-extend-kernel triton (the default is mixed)
+#   bench_r025_balanced / grid_r1_balanced   bench_r025 / grid_r1 with --tangram-decode-kernel balanced
 #   smoke_nooverlap  the serving smoke with --disable-overlap-schedule
 #   grid_stock / grid_r025 / grid_r05 / grid_r1   one server start each: the short class (4k documents) at 8, 32 and
 #           128 concurrent sessions (TTFT vs load) and the mid class (16k) at 64, a ${GRID_SECONDS:-60} s window each
@@ -180,6 +181,11 @@ stage_bench_r1() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
 # the same with our Triton extend kernel (--tangram-extend-kernel triton; the default is mixed)
 stage_bench_r1_triton() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   bench_run r1_triton tangram@triton:/tmp/llama-3.1-8b.uniform.r1.0.json; }
+# the token-balanced decode (--tangram-decode-kernel balanced) in serving: the long class at 0.25, the short grid at 1.0
+stage_bench_r025_balanced() {
+  bench_run r025_balanced tangram-balanced:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
+stage_grid_r1_balanced() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
+  grid_run r1_balanced tangram-balanced:/tmp/llama-3.1-8b.uniform.r1.0.json; }
 stage_bench_r025_triton() {
   bench_run r025_triton tangram@triton:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
 # BENCH_CONTEXT (name=document tokens, default long=49152) and BENCH_SESSIONS (default 24) pick the workload;

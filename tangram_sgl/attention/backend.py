@@ -100,7 +100,7 @@ class TangramAttnBackend(AttentionBackend):
     """Attention over per-(request, head group) slot lists, writing K/V through the tangram manager."""
 
     def __init__(self, model_runner: Any, profile: TangramProfile | None = None, kernels: str | None = None,
-                 extend_kernel: str | None = None):
+                 extend_kernel: str | None = None, decode_kernel: str | None = None):
         super().__init__()
         check_server_args(model_runner.server_args)
         cache = model_runner.token_to_kv_pool
@@ -116,6 +116,7 @@ class TangramAttnBackend(AttentionBackend):
         self.req_to_token_pool = getattr(model_runner, "req_to_token_pool", None)
         self.manager = cache.manager
         self.context = AttentionContext.create(self.manager, profile, kernels=kernels, extend_kernel=extend_kernel,
+                                               decode_kernel=decode_kernel,
                                                pre_rope=_pre_rope(profile, model_runner, self.manager.pool.device))
         if self.context.flashinfer_extend is not None:
             logger.info("tangram: extend attention runs through FlashInfer (--tangram-extend-kernel %s%s)",

@@ -89,8 +89,9 @@ class AttentionContext:
     @classmethod
     def create(cls, kv: TangramKVManager, profile: TangramProfile, *, kernels: str | None = None,
                obs_window: int | None = None, pre_rope: PreRope | None = None,
-               extend_kernel: str | None = None) -> AttentionContext:
+               extend_kernel: str | None = None, decode_kernel: str | None = None) -> AttentionContext:
         """Context for ``kv`` (built from ``profile``); ``kernels``: ``"torch"``/``"triton"``/None (by device);
+        ``decode_kernel``: the Triton decode, ``"aot"`` (None) or ``"balanced"`` (see ``KernelSet``);
         ``extend_kernel``: ``"flashinfer"`` runs extend attention through FlashInfer (CUDA only), ``"mixed"``
         only steps adding more than ``MIXED_FLASHINFER_MIN_NEW`` tokens to a row; None, ``"triton"`` (the server
         flag's name for our kernels) or the kernel set's name keeps it in the kernel set (Triton on CUDA, the
@@ -101,7 +102,7 @@ class AttentionContext:
             raise ValueError("the profile does not describe this manager's layout (layers, kv heads, groups)")
         if any(len(row) != lay.num_groups for row in profile.aot_split.splits):
             raise ValueError(f"the profile's AOT split table rows do not have {lay.num_groups} groups")
-        ks = KernelSet.for_device(kv.pool.device, kernels)
+        ks = KernelSet.for_device(kv.pool.device, kernels, decode_kernel)
         scorer = SegmentScorer(profile.runtime_scorer, ks, obs_window or max(1, profile.recent_window), pre_rope)
         dev = kv.pool.device
         order = [launch_order([lay.group_budget[g] for g in layer.group]) for layer in lay.layers]

@@ -2,7 +2,8 @@
 
 Both sets take the same arguments (the pool contract of ``docs/arch/kernels.md``); the choice is explicit
 (``"triton"`` or ``"torch"``) or follows the pool's device (CUDA -> Triton, else torch). Nothing falls back
-from one set to the other at run time.
+from one set to the other at run time. The Triton set decodes with the AOT split table (``decode="aot"``) or the
+token-balanced kernel (``decode="balanced"``, which the torch set refuses: it has no such variant to run).
 """
 
 from __future__ import annotations
@@ -12,28 +13,38 @@ from dataclasses import dataclass
 import torch
 
 from tangram_sgl.kernels.decode import paged_decode, paged_decode_torch
+from tangram_sgl.kernels.decode_balanced import BALANCED_PROGRAMS, balanced_paged_decode
 from tangram_sgl.kernels.extend import extend_attention, extend_attention_torch
 from tangram_sgl.kernels.scoring import snapkv_scores_ragged, snapkv_scores_ragged_torch
 
 KERNEL_SETS = ("torch", "triton")
+DECODE_VARIANTS = ("aot", "balanced")
 
 
 @dataclass(frozen=True)
 class KernelSet:
-    """Extend, decode and SnapKV-scoring kernels of one implementation (``name``)."""
+    """Extend, decode and SnapKV-scoring kernels of one implementation (``name``); ``decode_variant``: which
+    Triton decode kernel runs."""
 
     name: str
+    decode_variant: str = "aot"
 
     def __post_init__(self) -> None:
         if self.name not in KERNEL_SETS:
             raise ValueError(f"unknown kernel set {self.name!r}; choose from {KERNEL_SETS}")
+        if self.decode_variant not in DECODE_VARIANTS:
+            raise ValueError(f"unknown decode kernel {self.decode_variant!r}; choose from {DECODE_VARIANTS}")
+        if self.decode_variant != "aot" and self.name != "triton":
+            raise ValueError(f"decode kernel {self.decode_variant!r} (--tangram-decode-kernel) is a Triton kernel: it "
+                             f"needs the pool on a CUDA device (here the {self.name} kernels run)")
 
     @classmethod
-    def for_device(cls, device: torch.device | str, name: str | None = None) -> KernelSet:
-        """``name`` if given, else Triton on CUDA and the torch references elsewhere."""
+    def for_device(cls, device: torch.device | str, name: str | None = None,
+                   decode_variant: str | None = None) -> KernelSet:
+        """``name`` if given, else Triton on CUDA and the torch references elsewhere; ``decode_variant`` or "aot"."""
         if name is None:
             name = "triton" if torch.device(device).type == "cuda" else "torch"
-        return cls(name)
+        return cls(name, decode_variant or "aot")
 
     def extend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor,
                max_new: int, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
@@ -52,10 +63,14 @@ class KernelSet:
                head_order: torch.Tensor, splits: torch.Tensor, max_splits: int, min_split_tokens: int,
                sm_scale: float) -> torch.Tensor:
         """One query token per request over its (request, group) slot range -> ``[B, Hq, D]`` (``head_order``:
-        the layer's kv heads longest-first, the Triton launch order)."""
+        the layer's kv heads longest-first, the Triton launch order; ``head_order``, ``splits``, ``max_splits`` and
+        ``min_split_tokens`` steer the AOT-split kernel only)."""
         if self.name == "torch":
             return paged_decode_torch(q, k_buffer, v_buffer, kv_starts, kv_lens, kv_indices, head_group,
                                       head_column, sm_scale=sm_scale)
+        if self.decode_variant == "balanced":
+            return balanced_paged_decode(q, k_buffer, v_buffer, kv_starts, kv_lens, kv_indices, head_group,
+                                         head_column, sm_scale=sm_scale, num_programs=BALANCED_PROGRAMS)
         return paged_decode(q, k_buffer, v_buffer, kv_starts, kv_lens, kv_indices, head_group, head_column,
                             splits, head_order=head_order, max_splits=max_splits,
                             min_split_tokens=min_split_tokens, sm_scale=sm_scale)
