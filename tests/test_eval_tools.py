@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EVAL = Path(__file__).resolve().parent.parent / "eval"
 sys.path.insert(0, str(EVAL))
@@ -568,3 +569,17 @@ def test_readme_tables_are_generated_from_the_committed_results(monkeypatch):
     monkeypatch.setattr(report, "HEADLINES", ((5, "t", [("bench_serving_long", "no such metric")]),))
     with pytest.raises(KeyError, match="bench_serving_long.json has no summary metric 'no such metric'"):
         report.headline_table()
+
+
+def test_probe_anchor_cache_gives_each_list_its_own_pages():
+    """``eval/probe_decode.py``'s anchor layer: the 1.0 head's list and the two 0.14 lists per request, every slot
+    on a page of its own list, page 0 unused."""
+    import probe_decode
+
+    c = probe_decode.anchor_cache(3, 512, "cpu", torch.float32)
+    lens = c["kv_lens"].tolist()
+    assert lens == [512, 108, 108] * 3 and c["kept_tokens"] == 3 * (512 + 7 * 108)
+    pages = [set((c["kv_indices"][s:s + n] // probe_decode.PAGE).tolist())
+             for s, n in zip(c["kv_starts"].tolist(), lens)]
+    assert all(not (a & b) for i, a in enumerate(pages) for b in pages[i + 1:])
+    assert 0 not in set().union(*pages) and c["kv_indices"].unique().numel() == sum(lens)

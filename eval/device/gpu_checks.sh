@@ -51,6 +51,7 @@
 #           (kernels_short_configs / kernels_short_targets: those shapes under each of the tune's block configs / under
 #           AOT tables for CTA targets TARGETS="264 528 1056 2112", Triton only)
 #   kernels_short_exits  the same with 17 / 32 programs per (request, kv head), the extra ones exiting at once
+#   probe   eval/probe_decode.py: the anchor's decode layer, AOT split vs token-balanced, torch + Triton only (no bundle)
 #   kernels_balanced  the token-balanced decode (every program an equal share of the kept tokens) beside the AOT-split
 #           kernel: the anchor at several program counts, the 32k-64k grid, the short shapes
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
@@ -313,6 +314,12 @@ stage_kernels_balanced() { local n
     ${BALANCED_GRID_ARGS:-} --out "$OUT"/bench_kernels_balanced.json 2>&1 | tail -8)
   rm -f "$OUT"/bench_kernels_balanced.png  # a call brings back 8 files at most; --plot-from redraws it here
   kernels_short_triton bench_kernels_short_balanced ${BALANCED_GRID_ARGS:-}; }
+# the anchor's decode layer, AOT split vs token-balanced (eval/probe_decode.py), with the image's torch and Triton alone:
+# no bundle needed, so it fits a fresh machine's first call (the package's kernels through a symlinked namespace)
+stage_probe() {
+  local p=/tmp/probe; mkdir -p "$p"/tangram_sgl && touch "$p"/tangram_sgl/__init__.py
+  ln -sfn "$R"/kernels "$p"/tangram_sgl/kernels
+  (cd /tmp && PYTHONPATH="$p" timeout 300 python3 "$R"/eval/probe_decode.py --out "$OUT" 2>&1 | tail -12); }
 stage_extend() { (cd /tmp && timeout 540 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 # the GPU server's accuracy vs the CPU reference run, same conversations (after `smol`; ~3 min per server)
 stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \
