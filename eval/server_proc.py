@@ -186,7 +186,8 @@ def parse_server_spec(spec: str) -> tuple[str, str | None, list[str]]:
         tags = "bal_" * bool(balanced) + f"bcg{max_tokens}_" * bool(bcg) + "ov_" * (not nooverlap)
         return f"tangram_{extend_kernel or DEFAULT_EXTEND_KERNEL}_{tags}{Path(arg).stem}", arg, flags
     raise ValueError(f"server spec {spec!r}: expected stock:<attention backend>, stock-nooverlap:<attention "
-                     f"backend> or tangram[-bcg|-bcg<max tokens>|-eager|-nooverlap][-balanced][@<extend kernel>]:<profile.json>")
+                     f"backend> or tangram[-bcg|-bcg<max tokens>|-eager|-nooverlap][-balanced][@<extend kernel>]:"
+                     f"<profile.json>")
 
 
 PREFILL_LINE = re.compile(r"Prefill batch.*#new-token: (\d+).*input throughput \(token/s\): ([\d.]+)")

