@@ -22,13 +22,12 @@ from tangram_sgl.kernels.decode import DECODE_CONFIG, H200_SMS, _attend_range, _
 
 
 @triton.jit
-def _sequence_range(KvLens, HeadGroup, j, num_seq, num_groups, num_kv_heads, BLOCK_SEQ: tl.constexpr):
-    """(start of sequence j in the batch's token order, T): prefix sums of the sequences' lengths."""
+def _sequence_lengths(KvLens, HeadGroup, num_seq, num_groups, num_kv_heads, BLOCK_SEQ: tl.constexpr):
+    """(index, length) of every sequence j = r * Hkv + h of the batch, 0 past the last."""
     offs = tl.arange(0, BLOCK_SEQ)
     mask = offs < num_seq
     g = tl.load(HeadGroup + offs % num_kv_heads, mask=mask, other=0)
-    n = tl.load(KvLens + (offs // num_kv_heads) * num_groups + g, mask=mask, other=0)
-    return tl.sum(tl.where(offs < j, n, 0), 0), tl.sum(n, 0)
+    return offs, tl.load(KvLens + (offs // num_kv_heads) * num_groups + g, mask=mask, other=0)
 
 
 @triton.jit
@@ -42,10 +41,8 @@ def _balanced_split_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SEQ: tl.constexpr,
 ):
     p = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_SEQ)
+    offs, n_all = _sequence_lengths(KvLens, HeadGroup, num_seq, num_groups, num_kv_heads, BLOCK_SEQ)
     mask = offs < num_seq
-    g_all = tl.load(HeadGroup + offs % num_kv_heads, mask=mask, other=0)
-    n_all = tl.load(KvLens + (offs // num_kv_heads) * num_groups + g_all, mask=mask, other=0)
     ends = tl.cumsum(n_all, 0)
     total = tl.sum(n_all, 0)
     per = tl.cdiv(total, tl.num_programs(0))
@@ -107,7 +104,9 @@ def _balanced_merge_kernel(
     if n == 0:  # attends to nothing: zeros, as FlashInfer gives
         tl.store(o_ptr, tl.zeros([BLOCK_H, D], tl.float32).to(O.dtype.element_ty), mask=mask_h[:, None])
     else:
-        seq_start, total = _sequence_range(KvLens, HeadGroup, j, num_seq, num_groups, num_kv_heads, BLOCK_SEQ)
+        offs, n_all = _sequence_lengths(KvLens, HeadGroup, num_seq, num_groups, num_kv_heads, BLOCK_SEQ)
+        seq_start = tl.sum(tl.where(offs < j, n_all, 0), 0)
+        total = tl.sum(n_all, 0)
         per = tl.cdiv(total, num_programs)
         p_first = seq_start // per
         p_last = (seq_start + n - 1) // per

@@ -40,7 +40,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 H200 = GPUTarget("cuda", 90, 32)
-HELPERS = {"_attend_range", "_copy_rows", "_sequence_range"}  # jit functions called from kernels, compiled with them
+HELPERS = {"_attend_range", "_copy_rows", "_sequence_lengths"}  # jit functions called from kernels, compiled with them
 DATA = {"Q", "K", "V", "O", "KNew", "VNew", "KSrc", "VSrc", "KStage", "VStage"}  # bf16 tensors
 PARTIALS = {"MidO", "MidLse", "Lse", "S"}  # fp32 tensors
 UNALIGNED_STRIDES = {"stride_sr"}  # strides of index tables (a row of G slots): not a multiple of 16 in general

@@ -102,8 +102,7 @@ def apply_kv_policy(fields: MutableMapping[str, Any], policy: str | None, profil
         raise KvPolicyError(f"--kv-policy: expected one of {KV_POLICIES}, got {policy!r}")
     kernels = {name: value for name, value in (kernels or {}).items() if value is not None}
     for name, value in kernels.items():
-        if name not in KERNEL_CHOICES or value not in KERNEL_CHOICES[name][1]:
-            choices = KERNEL_CHOICES[name][1] if name in KERNEL_CHOICES else ()
+        if value not in (choices := KERNEL_CHOICES[name][1]):
             raise KvPolicyError(f"{_flag(name)}: expected one of {choices}, got {value!r}")
     if policy == "default":
         if profile_path or kernels:

@@ -298,7 +298,7 @@ stage_kernels_short_exits() { local n; for n in 17 32; do
 # the token-balanced decode (kernels/decode_balanced.py) beside the served AOT-split kernel: the anchor under
 # BALANCED_SWEEP (programs a launch, default "264 396 528"; Triton 3.6 holds 2 of its programs a SM, so 264, its
 # default, is one wave), at 396 with registers capped for 3 a SM (THREE_PER_SM_MAXNREG), and at 396 with block config
-# (64, 4, 2), which 3.6 compiles to 3 a SM (162 registers, 38 KB; the AOT kernel runs it too there), then the 32k-64k
+# (64, 4, 2), which 3.6 compiles to 3 a SM (160 registers, 38 KB; the AOT kernel runs it too there), then the 32k-64k
 # grid and the short shapes with BALANCED_GRID_ARGS (bench_kernels arguments; default none); FlashInfer columns from
 # earlier runs
 stage_kernels_balanced() { local n
@@ -373,13 +373,14 @@ exact_runs() {
 # a server an earlier call left behind (cut off at the call's limit: servers run in their own process session) holds
 # GPU memory and the port; only soak_finish wants the one soak_start left
 stop_stale_servers() {
+  pgrep -f -- "-m sglang.launch_server" >/dev/null || return 0
+  echo "stopping servers left running"
   local p; for p in $(pgrep -f -- "-m sglang.launch_server" || true); do kill -TERM -- -"$p" 2>/dev/null; done
   for _ in $(seq 30); do pgrep -f -- "-m sglang.launch_server" >/dev/null || return 0; sleep 2; done
   for p in $(pgrep -f -- "-m sglang.launch_server" || true); do kill -KILL -- -"$p" 2>/dev/null; done; sleep 5
 }
 for s in "$@"; do
   echo "=== stage $s $(date +%T)"
-  [ "$s" = soak_finish ] || { pgrep -f -- "-m sglang.launch_server" >/dev/null && echo "stopping servers left running"
-                              stop_stale_servers; }
+  [ "$s" = soak_finish ] || stop_stale_servers
   "stage_$s"
 done
