@@ -51,10 +51,10 @@
 #           (kernels_short_configs / kernels_short_targets: those shapes under each of the tune's block configs / under
 #           AOT tables for CTA targets TARGETS="264 528 1056 2112", Triton only)
 #   kernels_short_exits  the same with 17 / 32 programs per (request, kv head), the extra ones exiting at once
-#   bare    the package from the tree without installing it, for this call's later Triton-only stages (no bundle)
-#   probe   eval/probe_decode.py: the anchor's decode layer, AOT split vs token-balanced, torch + Triton alone (runs bare)
+#   probe   eval/probe_decode.py: the anchor's decode layer, AOT split vs token-balanced, torch + Triton alone (from
+#           the tree: no bundle)
 #   kernels_balanced  the token-balanced decode (every program an equal share of the kept tokens) beside the AOT-split
-#           kernel: the anchor at several program counts, the 32k-64k grid, the short shapes (runs bare)
+#           kernel: the anchor at several program counts, the 32k-64k grid, the short shapes (from the tree: no bundle)
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 #           (the serving FlashInfer path included); writes its JSON after every case
 #   jit_save / jit_restore  compiled FlashInfer JIT modules and Triton's cache, brought back and carried to a fresh machine
@@ -302,7 +302,7 @@ stage_kernels_short_exits() { local n; for n in 17 32; do
 # (64, 4, 2), which 3.6 compiles to 3 a SM (160 registers, 38 KB; the AOT kernel runs it too there), then the 32k-64k
 # grid and the short shapes with BALANCED_GRID_ARGS (bench_kernels arguments; default none); FlashInfer columns from
 # earlier runs
-stage_kernels_balanced() { local n; stage_bare
+stage_kernels_balanced() ( use_bare_tree
   for n in ${BALANCED_SWEEP:-264 396 528}; do
     kernels_short_triton "bench_kernels_balanced_anchor_p$n" --batches 32 --contexts 32768 --budgets 0.25 \
       --balanced-programs "$n"; done
@@ -314,16 +314,17 @@ stage_kernels_balanced() { local n; stage_bare
     --fi-from "$R"/eval/results/bench_kernels_aot2.json --batches 16,32,64 --contexts 32768,65536 \
     ${BALANCED_GRID_ARGS:-} --out "$OUT"/bench_kernels_balanced.json 2>&1 | tail -8)
   rm -f "$OUT"/bench_kernels_balanced.png  # a call brings back 8 files at most; --plot-from redraws it here
-  kernels_short_triton bench_kernels_short_balanced ${BALANCED_GRID_ARGS:-}; }
+  kernels_short_triton bench_kernels_short_balanced ${BALANCED_GRID_ARGS:-} )
 # the package from the tree, not installed (a bare machine, before or without the bundles): tangram_sgl's modules
-# with kernels/ under it, ahead of /tmp/site, for this call's later Triton-only stages (probe, kernels_*)
-stage_bare() {
+# with kernels/ under it, ahead of /tmp/site, for the Triton-only stage calling it (a subshell: servers of later
+# stages still load the installed plugin, patches included)
+use_bare_tree() {
   local p=/tmp/bare; mkdir -p "$p"/tangram_sgl
   ln -sfn "$R"/tangram_sgl/* "$p"/tangram_sgl/ && ln -sfn "$R"/kernels "$p"/tangram_sgl/kernels
   export PYTHONPATH="$p:$PYTHONPATH"; }
 # the anchor's decode layer, AOT split vs token-balanced (eval/probe_decode.py), the image's torch and Triton alone:
 # no bundle needed, so it fits a fresh machine's first call
-stage_probe() { stage_bare; (cd /tmp && timeout 300 python3 "$R"/eval/probe_decode.py --out "$OUT" 2>&1 | tail -12); }
+stage_probe() ( use_bare_tree; cd /tmp && timeout 300 python3 "$R"/eval/probe_decode.py --out "$OUT" 2>&1 | tail -12 )
 stage_extend() { (cd /tmp && timeout 540 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 # the GPU server's accuracy vs the CPU reference run, same conversations (after `smol`; ~3 min per server)
 stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \
