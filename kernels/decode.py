@@ -34,8 +34,9 @@ import triton.language as tl
 def _attend_range(q, K, V, KvIndices, kv_start, c, lo, hi, sm_scale,
                   stride_kp, stride_kc, stride_kt, stride_vp, stride_vc, stride_vt,
                   PAGE: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Online softmax of ``q`` ([BLOCK_H, D], one kv head's query rows) over tokens [lo, hi) of the slot list at
-    ``KvIndices + kv_start``, column ``c`` of the pages: (unnormalised acc, running max, running sum)."""
+    """Online softmax of ``q`` ([BLOCK_H, D], query rows of one kv head: decode's heads, extend's (token, head)
+    pairs) over tokens [lo, hi) of the slot list at ``KvIndices + kv_start``, column ``c`` of the pages:
+    (unnormalised acc, running max, running sum)."""
     q = q.to(K.dtype.element_ty)  # unscaled: the scale multiplies the fp32 dot product, as SGLang's kernels
     offs_d = tl.arange(0, D)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)

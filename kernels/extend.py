@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from tangram_sgl.kernels.decode import H200_SMS, gather_head_kv
+from tangram_sgl.kernels.decode import H200_SMS, _attend_range, gather_head_kv
 
 # split-KV of question-sized extends: enough programs for the H200's SMs, chunks of at least 256 prefix tokens
 EXTEND_TARGET_PROGRAMS = 2 * H200_SMS
@@ -78,29 +78,12 @@ def _extend_kernel(
         q_ptr = (qo_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(Q + q_ptr, mask=mask_m[:, None], other=0.0)
         q = q.to(K.dtype.element_ty)  # unscaled: the scale multiplies the fp32 dot product, as SGLang's kernels
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
         chunk = tl.cdiv(n_pre, num_splits)
         lo = s * chunk
         hi = tl.minimum(lo + chunk, n_pre)
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < hi
-            slot = tl.load(KvIndices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
-            page = slot // PAGE
-            pos = slot % PAGE
-            k = tl.load(K + (page * stride_kp + c * stride_kc + pos * stride_kt)[:, None] + offs_d[None, :],
-                        mask=mask_n[:, None], other=0.0)
-            qk = tl.where(mask_n[None, :], tl.dot(q, tl.trans(k)) * sm_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            v = tl.load(V + (page * stride_vp + c * stride_vc + pos * stride_vt)[:, None] + offs_d[None, :],
-                        mask=mask_n[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+        acc, m_i, l_i = _attend_range(q, K, V, KvIndices, kv_start, c, lo, hi, sm_scale,
+                                      stride_kp, stride_kc, stride_kt, stride_vp, stride_vc, stride_vt,
+                                      PAGE, BLOCK_M, D, BLOCK_N)
         t_end = tl.minimum(n_new, t0 + TOKS)
         if s == num_splits - 1:  # the new tokens, causal: the last split's
             for start in range(0, t_end, BLOCK_N):
