@@ -134,7 +134,7 @@ BALANCED_PROGRAMS = 2 * H200_SMS
 # (65536 registers, allocated 8 a thread at a time). Uncapped, the GPU's Triton 3.6 gives this kernel 201 registers
 # (its piece loop costs ~40 over one piece), 2 programs a SM; capped, 7 values of the piece loop spill, stored and
 # loaded once a piece outside the token loop (SASS read in session 28). Triton 3.8 needs 162 uncapped and spills
-# inside the token loop capped. Not applied by default: the GPU study (stage kernels_balanced) weighs it against
+# inside the token loop capped. Not applied by default: the GPU study (stage probe) weighs it against
 # 2 a SM x 132 programs.
 THREE_PER_SM_MAXNREG = 168
 

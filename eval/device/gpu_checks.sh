@@ -54,7 +54,7 @@
 #   probe   eval/probe_decode.py: the anchor's decode layer, AOT split vs token-balanced, torch + Triton alone (from
 #           the tree: no bundle)
 #   kernels_balanced  the token-balanced decode (every program an equal share of the kept tokens) beside the AOT-split
-#           kernel: the anchor at several program counts, the 32k-64k grid, the short shapes (from the tree: no bundle)
+#           kernel at its default launch: the 32k-64k grid, the short shapes (from the tree: no bundle)
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
 #           (the serving FlashInfer path included); writes its JSON after every case
 #   jit_save / jit_restore  compiled FlashInfer JIT modules and Triton's cache, brought back and carried to a fresh machine
@@ -296,20 +296,11 @@ stage_kernels_short_targets() { local t; for t in ${TARGETS:-264 528 1056 2112};
 # short shapes (a table with a row per context would launch its largest row's grid at every context)
 stage_kernels_short_exits() { local n; for n in 17 32; do
   kernels_short_triton "bench_kernels_short_launch$n" --launch-splits "$n"; done; }
-# the token-balanced decode (kernels/decode_balanced.py) beside the served AOT-split kernel: the anchor under
-# BALANCED_SWEEP (programs a launch, default "264 396 528"; Triton 3.6 holds 2 of its programs a SM, so 264, its
-# default, is one wave), at 396 with registers capped for 3 a SM (THREE_PER_SM_MAXNREG), and at 396 with block config
-# (64, 4, 2), which 3.6 compiles to 3 a SM (160 registers, 38 KB; the AOT kernel runs it too there), then the 32k-64k
-# grid and the short shapes with BALANCED_GRID_ARGS (bench_kernels arguments; default none); FlashInfer columns from
-# earlier runs
+# the token-balanced decode (kernels/decode_balanced.py) beside the served AOT-split kernel at its default launch
+# (264 programs: Triton 3.6 holds 2 a SM), over the 32k-64k grid and the short shapes with BALANCED_GRID_ARGS
+# (bench_kernels arguments; default none); FlashInfer columns from earlier runs. Other launches at the anchor (396 /
+# 528 programs, a register cap, block config (64, 4, 2)): stage probe
 stage_kernels_balanced() ( use_bare_tree
-  for n in ${BALANCED_SWEEP:-264 396 528}; do
-    kernels_short_triton "bench_kernels_balanced_anchor_p$n" --batches 32 --contexts 32768 --budgets 0.25 \
-      --balanced-programs "$n"; done
-  kernels_short_triton bench_kernels_balanced_anchor_p396_r168 --batches 32 --contexts 32768 --budgets 0.25 \
-    --balanced-programs 396 --balanced-maxnreg 168
-  kernels_short_triton bench_kernels_balanced_anchor_p396_b64 --batches 32 --contexts 32768 --budgets 0.25 \
-    --balanced-programs 396 --triton-config 64,4,2
   (cd /tmp && timeout 300 python3 "$R"/eval/bench_kernels.py --no-tune --study-targets '' --no-flashinfer \
     --fi-from "$R"/eval/results/bench_kernels_aot2.json --batches 16,32,64 --contexts 32768,65536 \
     ${BALANCED_GRID_ARGS:-} --out "$OUT"/bench_kernels_balanced.json 2>&1 | tail -8)
