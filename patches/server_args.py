@@ -39,12 +39,11 @@ EXTEND_KERNELS = ("triton", "flashinfer", "mixed")
 # question-sized steps (fewer host launches per layer: 0.64/0.73/0.77 -> 0.76/0.84/0.81x stock, bench_serving_grid)
 DEFAULT_EXTEND_KERNEL = "mixed"
 ENV_DECODE_KERNEL = "TANGRAM_DECODE_KERNEL"
-DECODE_KERNELS = DECODE_VARIANTS
 # the split-KV decode with the profile's AOT split table, measured on the H200; the token-balanced one is not yet
 DEFAULT_DECODE_KERNEL = "aot"
 # ServerArgs-style field of each kernel choice -> (its environment variable, choices, default)
 KERNEL_CHOICES = {"tangram_extend_kernel": (ENV_EXTEND_KERNEL, EXTEND_KERNELS, DEFAULT_EXTEND_KERNEL),
-                  "tangram_decode_kernel": (ENV_DECODE_KERNEL, DECODE_KERNELS, DEFAULT_DECODE_KERNEL)}
+                  "tangram_decode_kernel": (ENV_DECODE_KERNEL, DECODE_VARIANTS, DEFAULT_DECODE_KERNEL)}
 # On CUDA, breakable prefill CUDA graphs for steps of at most this many tokens (question turns replay graphs, document
 # chunks run eagerly): 0.97 / 0.99 / 0.99x stock against eager prefill's 0.96 / 0.98 / 0.98x on an H100, short class
 # at 8 / 32 / 64 sessions (session 27, bench_serving_grid_h100)
@@ -80,7 +79,7 @@ def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
                             "(FlashInfer's chunk + per-(request, kv head) prefix passes, planned once per step) or "
                             "'triton' (our Triton extend kernel, one launch per layer; 2.4-2.9x slower than "
                             "FlashInfer on 8k-token chunks, eval/results/bench_extend.json).")
-    group.add_argument("--tangram-decode-kernel", choices=DECODE_KERNELS, default=None,
+    group.add_argument("--tangram-decode-kernel", choices=DECODE_VARIANTS, default=None,
                        help="Decode attention of the tangram backend: 'aot' (default: split-KV with the profile's "
                             "AOT split table) or 'balanced' (every program an equal share of the batch's kept "
                             "tokens; kernels/decode_balanced.py, not yet measured on a GPU).")
