@@ -9,8 +9,8 @@ Qwen2.5-Coder-0.5B-Instruct), greedy decoding, one method at a time:
   selection) with ``uniform_profile(config, b)``: every head keeps the same budget ``b``.
 - ``tangram``: the same engine with the shipped non-uniform profile for the model, target ``b`` and ``--scorer``
   (``tangram_sgl/profiles/smollm2-135m-instruct.snapkv.r{b}.json``, or ``.snapkv-p31.`` for
-  ``snapkv:pool_kernel=31``; Qwen: ``qwen2.5-coder-0.5b-instruct.snapkv-p31.r{b}.json``, or ``.ea.`` for
-  ``expected_attention``, a query-agnostic scorer; only 0.5 and 0.25 ship).
+  ``snapkv:pool_kernel=31``, ``.ea.`` for ``expected_attention``, a query-agnostic scorer; Qwen:
+  ``qwen2.5-coder-0.5b-instruct.snapkv-p31.r{b}.json`` or ``.ea.``; only 0.5 and 0.25 ship).
   Uniform runs use the same scorer.
 
 Each method produces its own answers, and later turns resend that method's history. Score of a turn = the
