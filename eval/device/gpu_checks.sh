@@ -315,7 +315,9 @@ use_bare_tree() {
   export PYTHONPATH="$p:$PYTHONPATH"; }
 # the anchor's decode layer, AOT split vs token-balanced (eval/probe_decode.py), the image's torch and Triton alone:
 # no bundle needed, so it fits a fresh machine's first call
-stage_probe() ( use_bare_tree; cd /tmp && timeout 300 python3 "$R"/eval/probe_decode.py --out "$OUT" 2>&1 | tail -12 )
+# each case's line also lands in $OUT/probe.log as it is printed, so a call cut short still brings back what it measured
+stage_probe() ( use_bare_tree; cd /tmp && timeout 300 python3 "$R"/eval/probe_decode.py --out "$OUT" 2>&1 \
+  | tee "$OUT"/probe.log | tail -12 )
 stage_extend() { (cd /tmp && timeout 540 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 # the GPU server's accuracy vs the CPU reference run, same conversations (after `smol`; ~3 min per server)
 stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \
