@@ -13,7 +13,8 @@ Paths timed per (batch, context, budget):
 - ``fi_stored``: FlashInfer fa2 wrapper planned once for the bucket and reused (``StoredPlanDecode``):
   ``fi_stored_run_ms`` is run() alone, ``fi_stored_step_ms`` adds the on-GPU page-table build;
 - ``fi_full``: FlashInfer on the uncompressed cache (all heads at full context, SGLang's decode call).
-Roofline: bytes the layer must read (kept K and V of every (request, kv head), plus q and out) at 4.8 TB/s.
+Roofline: bytes the layer must read (kept K and V of every (request, kv head), plus q and out) at the GPU's peak
+HBM bandwidth (``results_io.peak_hbm_bytes_per_s``: 4.8 TB/s on the H200, 3.35 on the H100).
 
 GPU:  python eval/bench_kernels.py --out eval/results/bench_kernels.json
 CPU smoke test (interpreter, tiny shapes, no FlashInfer):  TRITON_INTERPRET=1 python eval/bench_kernels.py --tiny
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
-from results_io import summary_row
+from results_io import device_name, peak_hbm_bytes_per_s, summary_row
 from tangram_sgl.kernels.decode import (
     DECODE_CONFIG,
     csr_ranges,
@@ -58,7 +59,8 @@ from tangram_sgl.layout import HeadGroupLayout
 from tangram_sgl.profile import ModelIdentity, TangramProfile
 from tangram_sgl.profile_builder import build_profile
 
-HBM_BYTES_PER_S = 4.8e12
+HBM_BYTES_PER_S = peak_hbm_bytes_per_s(device_name())
+ROOFLINE_UNIT = f"of {HBM_BYTES_PER_S / 1e12:g} TB/s"
 # Per-layer head-budget patterns (kv heads of one layer); the 0.25 one is the anchor
 # (one kv head of 8 at 1.0, the rest at 0.14).
 BUDGET_PATTERNS = {
@@ -458,7 +460,8 @@ def main() -> None:
                          "largest row's grid at every context)")
     ap.add_argument("--fi-from", metavar="JSON",
                     help="with --no-flashinfer: copy the FlashInfer columns (fi_*) of the same (batch, context, "
-                         "budget) from this earlier run (they do not depend on our kernel or AOT table)")
+                         "budget) from this earlier run (they do not depend on our kernel or AOT table); only when it "
+                         "ran on the same GPU")
     ap.add_argument("--balanced-programs", type=int, default=BALANCED_PROGRAMS,
                     help="programs of the token-balanced decode timed beside the AOT-split one (0: not timed)")
     ap.add_argument("--balanced-maxnreg", type=int, default=None,
@@ -508,9 +511,15 @@ def main() -> None:
         configs = [ANCHOR] + [cfg for cfg in configs if cfg != ANCHOR]
     fi_columns: dict[tuple, dict] = {}
     if args.fi_from:
-        for r in json.loads(Path(args.fi_from).read_text())["results"]:
-            fi_columns[(r["batch"], r["context"], r["mean_budget"])] = {
-                k: x for k, x in r.items() if k.startswith("fi_")} | {"fi_columns_from": args.fi_from}
+        earlier = json.loads(Path(args.fi_from).read_text())
+        their_gpu, our_gpu = earlier["versions"].get("gpu", "the CPU"), versions().get("gpu", "the CPU")
+        if their_gpu != our_gpu:  # another GPU's times are no baseline for ours: left out, and said so
+            print(f"FlashInfer columns NOT copied: {args.fi_from} was measured on {their_gpu}, this run is on "
+                  f"{our_gpu}", flush=True)
+        else:
+            for r in earlier["results"]:
+                fi_columns[(r["batch"], r["context"], r["mean_budget"])] = {
+                    k: x for k, x in r.items() if k.startswith("fi_")} | {"fi_columns_from": args.fi_from}
     results: list[dict] = []
     profiles = {m: synthetic_profile(shape, m, target_ctas) for m in {c[2] for c in configs}}
     for b, n, m in tqdm(configs, desc="configs"):
@@ -574,13 +583,13 @@ def summary(results: list[dict]) -> list[dict]:
     big = [r for r in results if r["batch"] >= 16 and "triton_roofline_frac" in r]
     if big:
         worst = min(r["triton_roofline_frac"] for r in big)
-        rows.append(summary_row(f"worst roofline share at batch >= 16 ({cases(big)})", worst, "of 4.8 TB/s",
+        rows.append(summary_row(f"worst roofline share at batch >= 16 ({cases(big)})", worst, ROOFLINE_UNIT,
                                 ">= 0.85", worst >= 0.85))
     balanced = [r for r in big if "balanced_roofline_frac" in r]
     if balanced:
         worst = min(r["balanced_roofline_frac"] for r in balanced)
         rows.append(summary_row(f"token-balanced decode: worst roofline share at batch >= 16 ({cases(balanced)})",
-                                worst, "of 4.8 TB/s", ">= 0.85", worst >= 0.85))
+                                worst, ROOFLINE_UNIT, ">= 0.85", worst >= 0.85))
     full = [r for r in results if r["mean_budget"] == 1.0 and "fi_full_tc_run_ms" in r and "triton_ms" in r]
     if full:
         worst = max(r["triton_ms"] / r["fi_full_tc_run_ms"] for r in full)

@@ -18,12 +18,11 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
-from results_io import summary_row, write_result
+from results_io import device_name, peak_hbm_bytes_per_s, summary_row, write_result
 from tangram_sgl.kernels.decode import launch_order, paged_decode
 from tangram_sgl.kernels.decode_balanced import THREE_PER_SM_MAXNREG, balanced_paged_decode
 
 HQ, HKV, D, PAGE, HP = 32, 8, 128, 16, 4
-HBM_BYTES_PER_S = 4.8e12  # the H200's, as bench_kernels.py
 
 
 def anchor_cache(batch: int, context: int, dev: str, dtype: torch.dtype) -> dict:
@@ -80,7 +79,7 @@ def main() -> None:
              "balanced, 528 programs": balanced(528),
              f"balanced, 396 programs, maxnreg {THREE_PER_SM_MAXNREG}": balanced(396, maxnreg=THREE_PER_SM_MAXNREG),
              "balanced, 396 programs, block (64, 4, 2)": balanced(396, block_n=64, num_warps=4, num_stages=2)}
-    roofline_ms = c["kept_tokens"] * D * 2 * c["k"].element_size() / HBM_BYTES_PER_S * 1e3
+    roofline_ms = c["kept_tokens"] * D * 2 * c["k"].element_size() / peak_hbm_bytes_per_s(device_name()) * 1e3
     ref = cases["AOT split, 264-CTA row (served)"]()
     rows, summary = {}, []
     for name, fn in cases.items():

@@ -40,6 +40,16 @@ def device_name() -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
+# Peak HBM bandwidth (bytes/s) the decode rooflines divide by, by a substring of the device's name. Any other device
+# (the CPU smoke runs) gets the H200's: the GPU the targets are set for.
+_PEAK_HBM = (("H200", 4.8e12), ("H100 80GB HBM3", 3.35e12))
+
+
+def peak_hbm_bytes_per_s(device: str) -> float:
+    """The roofline bandwidth of ``device`` (a ``torch.cuda.get_device_name``): the H100 SXM's 3.35 TB/s, else 4.8."""
+    return next((bw for key, bw in _PEAK_HBM if key in device), _PEAK_HBM[0][1])
+
+
 def summary_row(metric: str, value: float, unit: str = "", target: str = "", met: bool | None = None) -> dict:
     return {"metric": metric, "value": value, "unit": unit, "target": target, "met": met}
 
