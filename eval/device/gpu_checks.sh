@@ -53,6 +53,7 @@
 #   kernels_short_exits  the same with 17 / 32 programs per (request, kv head), the extra ones exiting at once
 #   probe   eval/probe_decode.py: the anchor's decode layer, AOT split vs token-balanced, torch + Triton alone (from
 #           the tree: no bundle)
+#   kernel_tests  tests/test_kernels.py on CUDA from the tree (no bundle: a bare machine's first call)
 #   kernels_balanced  the token-balanced decode (every program an equal share of the kept tokens) beside the AOT-split
 #           kernel at its default launch: the 32k-64k grid, the short shapes (from the tree: no bundle)
 #   extend  eval/bench_extend.py: one extend layer (prefill chunks, question turns), Triton block configs vs FlashInfer
@@ -145,6 +146,9 @@ stage_tests() {  # TESTS: other test files of tests/ (default: the three below)
   (cd /tmp && TANGRAM_KERNEL_TEST_DEVICE=cuda TANGRAM_ATTN_TEST_DEVICE=cuda timeout 540 python3 -m pytest -q -p no:cacheprovider \
      "${files[@]}" >"$OUT/gpu_tests.log" 2>&1); tail -40 "$OUT/gpu_tests.log"  # the whole log comes back
 }
+# tests/test_kernels.py compiled on CUDA from the tree (use_bare_tree): no bundle, so a bare machine's first call
+# checks every kernel against its torch reference and fills Triton's cache for kernel_resources
+stage_kernel_tests() ( use_bare_tree; TESTS=test_kernels.py stage_tests )
 stage_smoke() {
   timeout 380 python3 eval/serve_smoke.py --model-path "$DUMMY" --label "${SMOKE_LABEL:-llama8b_dummy_r0.25}" --out "$OUT" \
     --profile "$R"/tangram_sgl/profiles/llama-3.1-8b.synthetic.r0.25.json --ignore-eos -- \
