@@ -1,5 +1,6 @@
 """One decode layer at issue 8's anchor (batch 32 x 32k, one kv head of 8 at budget 1.0, seven at 0.14): the served
-AOT-split kernel beside the token-balanced one, needing only torch and Triton — no SGLang bundle, so it fits a fresh
+AOT-split kernel (at its block config, and at four deeper-pipelined ones: does the H200's faster memory want more
+bytes in flight?) beside the token-balanced one, needing only torch and Triton — no SGLang bundle, so it fits a fresh
 GPU machine's first call (``eval/device/gpu_checks.sh`` stage ``probe``; ``bench_kernels.py`` is the full study).
 
 The cache: Llama-3.1-8B's shapes (32 / 8 heads of 128, pages of 16 tokens, 4 heads a group), layer 0's heads in three
@@ -66,15 +67,18 @@ def main() -> None:
     scale = D**-0.5
     order = torch.tensor(launch_order([1.0] + [0.14] * 7), dtype=torch.int32, device=dev)
 
-    def aot(splits: list[int]):
+    def aot(splits: list[int], **kw):
         s = torch.tensor(splits, dtype=torch.int32, device=dev)
         return lambda: paged_decode(*lists, s, head_order=order, max_splits=max(splits), min_split_tokens=256,
-                                    sm_scale=scale)
+                                    sm_scale=scale, **kw)
 
     def balanced(programs: int, **kw):
         return lambda: balanced_paged_decode(*lists, sm_scale=scale, num_programs=programs, **kw)
 
     cases = {"AOT split, 264-CTA row (served)": aot([5, 1, 1]), "AOT split, 528-CTA row": aot([9, 2, 2]),
+             **{f"AOT split, 264-CTA row, block {cfg}": aot([5, 1, 1], block_n=cfg[0], num_warps=cfg[1],
+                                                            num_stages=cfg[2])
+                for cfg in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3))},
              "balanced, 264 programs (default)": balanced(264), "balanced, 396 programs": balanced(396),
              "balanced, 528 programs": balanced(528),
              f"balanced, 396 programs, maxnreg {THREE_PER_SM_MAXNREG}": balanced(396, maxnreg=THREE_PER_SM_MAXNREG),
