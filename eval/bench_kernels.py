@@ -509,17 +509,7 @@ def main() -> None:
     configs = [(b, n, m) for m in budgets for n in contexts for b in batches]
     if not (args.tiny or args.no_anchor):  # the anchor first, so a run cut short still has it
         configs = [ANCHOR] + [cfg for cfg in configs if cfg != ANCHOR]
-    fi_columns: dict[tuple, dict] = {}
-    if args.fi_from:
-        earlier = json.loads(Path(args.fi_from).read_text())
-        their_gpu, our_gpu = earlier["versions"].get("gpu", "the CPU"), versions().get("gpu", "the CPU")
-        if their_gpu != our_gpu:  # another GPU's times are no baseline for ours: left out, and said so
-            print(f"FlashInfer columns NOT copied: {args.fi_from} was measured on {their_gpu}, this run is on "
-                  f"{our_gpu}", flush=True)
-        else:
-            for r in earlier["results"]:
-                fi_columns[(r["batch"], r["context"], r["mean_budget"])] = {
-                    k: x for k, x in r.items() if k.startswith("fi_")} | {"fi_columns_from": args.fi_from}
+    fi_columns = copied_fi_columns(args.fi_from, versions().get("gpu", "the CPU")) if args.fi_from else {}
     results: list[dict] = []
     profiles = {m: synthetic_profile(shape, m, target_ctas) for m in {c[2] for c in configs}}
     for b, n, m in tqdm(configs, desc="configs"):
@@ -532,6 +522,18 @@ def main() -> None:
         write_results(out, shape, profiles, tune, study, target_ctas, results)
     plot(results, out.with_suffix(".png"))
     print("wrote", out, out.with_suffix(".png"))
+
+
+def copied_fi_columns(path: str, our_gpu: str) -> dict[tuple, dict]:
+    """The FlashInfer columns (``fi_*``) of an earlier run by (batch, context, budget), for ``--fi-from``; none, said
+    on stdout, when that run was on another GPU than ``our_gpu`` (its times are no baseline for ours)."""
+    earlier = json.loads(Path(path).read_text())
+    their_gpu = earlier["versions"].get("gpu", "the CPU")
+    if their_gpu != our_gpu:
+        print(f"FlashInfer columns NOT copied: {path} was measured on {their_gpu}, this run is on {our_gpu}", flush=True)
+        return {}
+    return {(r["batch"], r["context"], r["mean_budget"]): {k: x for k, x in r.items() if k.startswith("fi_")}
+            | {"fi_columns_from": path} for r in earlier["results"]}
 
 
 def write_results(out: Path, shape: Shape, profiles: dict, tune: dict, study: list[dict], target_ctas: int,

@@ -583,3 +583,25 @@ def test_probe_anchor_cache_gives_each_list_its_own_pages():
              for s, n in zip(c["kv_starts"].tolist(), lens)]
     assert all(not (a & b) for i, a in enumerate(pages) for b in pages[i + 1:])
     assert 0 not in set().union(*pages) and c["kv_indices"].unique().numel() == sum(lens)
+
+
+def test_rooflines_divide_by_the_measuring_gpus_own_bandwidth():
+    """An H100's decode times are not held to the H200's 4.8 TB/s (session 31's H100 files first were)."""
+    from results_io import peak_hbm_bytes_per_s
+
+    assert peak_hbm_bytes_per_s("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert peak_hbm_bytes_per_s("NVIDIA H200") == 4.8e12
+    assert peak_hbm_bytes_per_s("cpu (x86_64)") == 4.8e12
+
+
+def test_flashinfer_columns_are_copied_only_from_a_run_on_the_same_gpu(tmp_path, capsys):
+    """``bench_kernels.py --fi-from``: another GPU's FlashInfer times are no baseline for ours, so none are copied."""
+    from bench_kernels import copied_fi_columns
+
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"versions": {"gpu": "NVIDIA H200"}, "results": [
+        {"batch": 32, "context": 32768, "mean_budget": 0.25, "triton_ms": 0.27, "fi_full_tc_run_ms": 0.98}]}))
+    same = copied_fi_columns(str(earlier), "NVIDIA H200")
+    assert same == {(32, 32768, 0.25): {"fi_full_tc_run_ms": 0.98, "fi_columns_from": str(earlier)}}
+    assert copied_fi_columns(str(earlier), "NVIDIA H100 80GB HBM3") == {}
+    assert "NOT copied" in capsys.readouterr().out
