@@ -5,7 +5,8 @@ GPU machine's first call (``eval/device/gpu_checks.sh`` stage ``probe``; ``bench
 
 The cache: Llama-3.1-8B's shapes (32 / 8 heads of 128, pages of 16 tokens, 4 heads a group), layer 0's heads in three
 groups (the 1.0 head; four and three 0.14 heads), each (request, group) list on shuffled pages; the AOT rows are the
-served table's at this batch for 264 and 528 CTAs (the budget-1.0 group split 5 / 9 times, the others 1 / 2).
+served table's at this batch for 264 and 528 CTAs (the budget-1.0 group split 5 / 9 times, the others 1 / 2), and two
+rows that give every CTA the same number of tokens (7 / 1 / 1 and 14 / 2 / 2).
 
     python eval/probe_decode.py --out eval/results
 """
@@ -76,6 +77,8 @@ def main() -> None:
         return lambda: balanced_paged_decode(*lists, sm_scale=scale, num_programs=programs, **kw)
 
     cases = {"AOT split, 264-CTA row (served)": aot([5, 1, 1]), "AOT split, 528-CTA row": aot([9, 2, 2]),
+             # equal tokens per CTA in every group (32k / 7 ~ 4.7k ~ one 0.14 list; half that at 14 / 2 / 2)
+             "AOT split, rows 7 / 1 / 1": aot([7, 1, 1]), "AOT split, rows 14 / 2 / 2": aot([14, 2, 2]),
              **{f"AOT split, 264-CTA row, block {cfg}": aot([5, 1, 1], block_n=cfg[0], num_warps=cfg[1],
                                                             num_stages=cfg[2])
                 for cfg in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3))},
