@@ -400,7 +400,7 @@ def versions() -> dict:
     return v
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, gpu: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -428,7 +428,7 @@ def plot(results: list[dict], path: Path) -> None:
             ax.set_ylabel("ms per layer")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("One Llama-3.1-8B decode layer on an H200 (bf16, page 16, H_p 4)")
+    fig.suptitle(f"One Llama-3.1-8B decode layer\non {gpu} (bf16, page 16, H_p 4)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -472,10 +472,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.plot_from:
         merged: dict[tuple, dict] = {}
+        gpus: dict[str, None] = {}
         for f in args.plot_from:
-            for r in json.loads(Path(f).read_text())["results"]:
+            doc = json.loads(Path(f).read_text())
+            gpus[doc["versions"].get("gpu", "the CPU")] = None
+            for r in doc["results"]:
                 merged.setdefault((r["batch"], r["context"], r["mean_budget"]), {}).update(r)
-        plot(list(merged.values()), Path(args.out).with_suffix(".png"))
+        plot(list(merged.values()), Path(args.out).with_suffix(".png"), " / ".join(gpus))
         return
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shape = TINY if args.tiny else LLAMA_8B
@@ -520,7 +523,7 @@ def main() -> None:
         results.append(r)
         print(json.dumps({k: (round(x, 4) if isinstance(x, float) else x) for k, x in r.items() if k != "kept_tokens_per_head"}), flush=True)
         write_results(out, shape, profiles, tune, study, target_ctas, results)
-    plot(results, out.with_suffix(".png"))
+    plot(results, out.with_suffix(".png"), versions().get("gpu", "the CPU"))
     print("wrote", out, out.with_suffix(".png"))
 
 
