@@ -512,7 +512,8 @@ def main() -> None:
     configs = [(b, n, m) for m in budgets for n in contexts for b in batches]
     if not (args.tiny or args.no_anchor):  # the anchor first, so a run cut short still has it
         configs = [ANCHOR] + [cfg for cfg in configs if cfg != ANCHOR]
-    fi_columns = copied_fi_columns(args.fi_from, versions().get("gpu", "the CPU")) if args.fi_from else {}
+    gpu = versions().get("gpu", "the CPU")
+    fi_columns = copied_fi_columns(args.fi_from, gpu) if args.fi_from else {}
     results: list[dict] = []
     profiles = {m: synthetic_profile(shape, m, target_ctas) for m in {c[2] for c in configs}}
     for b, n, m in tqdm(configs, desc="configs"):
@@ -523,7 +524,7 @@ def main() -> None:
         results.append(r)
         print(json.dumps({k: (round(x, 4) if isinstance(x, float) else x) for k, x in r.items() if k != "kept_tokens_per_head"}), flush=True)
         write_results(out, shape, profiles, tune, study, target_ctas, results)
-    plot(results, out.with_suffix(".png"), versions().get("gpu", "the CPU"))
+    plot(results, out.with_suffix(".png"), gpu)
     print("wrote", out, out.with_suffix(".png"))
 
 

@@ -34,6 +34,12 @@ def _accuracy_sources(name: str, scorer: str, model: str, turns: int,
 LONG, GRID = "bench_serving_long", "bench_serving_grid"
 LONG_H100, GRID_H100 = "bench_serving_long_h100", "bench_serving_grid_h100"
 KERNELS, SHORT_KERNELS, KERNELS_H100 = "bench_kernels_study", "bench_kernels_short", "bench_kernels_fi_h100"
+# the 32k-64k grid's summary metrics, shared by the H200 file (KERNELS) and the H100 one (KERNELS_H100)
+K_ANCHOR = "decode ms/layer, B32 x 32k, mean budget 0.25 (Triton, AOT splits)"
+K_VS_PLAN = "speed-up vs FlashInfer plan()+run, same cache (anchor)"
+K_VS_FULL = "speed-up vs FlashInfer uncompressed decode (anchor)"
+K_ROOFLINE = "worst roofline share at batch >= 16 (18 cases: batch 16/32/64, context 32k/64k, budget 0.25/0.5/1)"
+K_R1 = "budget 1.0: worst Triton time / FlashInfer uncompressed (6 cases: batch 16/32/64, context 32k/64k, budget 1)"
 HEADLINES = (
     (5, "long class (48k documents), budget 0.25: output tok/s >= 3.0x stock",
      [(LONG, "tangram_llama-3.1-8b.synthetic.r0.25 long: throughput vs stock_flashinfer")]),
@@ -74,32 +80,25 @@ HEADLINES = (
       ("accuracy_server_p31", f"{SMOL_R05}: CPU reference tangram@0.5 on the same turns"),
       ("accuracy_server_p31", "stock_triton: answers containing the expected text"),
       ("accuracy_server_p31", "stock_triton: CPU reference full on the same turns")]),
-    (8, "decode, batch 32 x 32k, mean budget 0.25 (the anchor): <= 0.26 ms a layer",
-     [(KERNELS, "decode ms/layer, B32 x 32k, mean budget 0.25 (Triton, AOT splits)")]),
+    (8, "decode, batch 32 x 32k, mean budget 0.25 (the anchor): <= 0.26 ms a layer", [(KERNELS, K_ANCHOR)]),
     (8, "the anchor: >= 2.7x FlashInfer plan()+run / >= 3.6x uncompressed FlashInfer",
-     [(KERNELS, "speed-up vs FlashInfer plan()+run, same cache (anchor)"),
-      (KERNELS, "speed-up vs FlashInfer uncompressed decode (anchor)")]),
+     [(KERNELS, K_VS_PLAN), (KERNELS, K_VS_FULL)]),
     (8, "decode >= 85 % of the 4.8 TB/s roofline at batch >= 16, worst case: 32k-64k grid / 4k",
-     [(KERNELS, ("worst roofline share at batch >= 16 (18 cases: batch 16/32/64, context 32k/64k, budget "
-                 "0.25/0.5/1)")),
+     [(KERNELS, K_ROOFLINE),
       (SHORT_KERNELS, "worst roofline share at batch >= 16 (4 cases: batch 32/128, context 4k, budget 0.25/1)")]),
     (8, "budget 1.0 within 10 % of FlashInfer's uncompressed decode, worst case: 32k-64k grid / 4k",
-     [(KERNELS, ("budget 1.0: worst Triton time / FlashInfer uncompressed (6 cases: batch 16/32/64, context 32k/64k, "
-                 "budget 1)")),
+     [(KERNELS, K_R1),
       (SHORT_KERNELS, ("budget 1.0: worst Triton time / FlashInfer uncompressed (3 cases: batch 8/32/128, context 4k, "
                       "budget 1)"))]),
     (8, "host time planning a decode step: 0", [(KERNELS, "host planning per decode step (ours)")]),
     (8, "H100, FlashInfer timed on the same card (`bench_kernels_fi_h100`): the anchor, <= 0.26 ms a layer (H200 target)",
-     [(KERNELS_H100, "decode ms/layer, B32 x 32k, mean budget 0.25 (Triton, AOT splits)")]),
+     [(KERNELS_H100, K_ANCHOR)]),
     (8, "H100: the anchor >= 2.7x FlashInfer plan()+run / >= 3.6x uncompressed FlashInfer",
-     [(KERNELS_H100, "speed-up vs FlashInfer plan()+run, same cache (anchor)"),
-      (KERNELS_H100, "speed-up vs FlashInfer uncompressed decode (anchor)")]),
+     [(KERNELS_H100, K_VS_PLAN), (KERNELS_H100, K_VS_FULL)]),
     (8, "H100: decode >= 85 % of its 3.35 TB/s roofline at batch >= 16, worst case of the 32k-64k grid",
-     [(KERNELS_H100, ("worst roofline share at batch >= 16 (18 cases: batch 16/32/64, context 32k/64k, budget "
-                      "0.25/0.5/1)"))]),
+     [(KERNELS_H100, K_ROOFLINE)]),
     (8, "H100: budget 1.0 within 10 % of FlashInfer's uncompressed decode, worst case of the 32k-64k grid",
-     [(KERNELS_H100, ("budget 1.0: worst Triton time / FlashInfer uncompressed (6 cases: batch 16/32/64, context "
-                      "32k/64k, budget 1)"))]),
+     [(KERNELS_H100, K_R1)]),
     (3, "page fragmentation <= 10 % of kept", [("pool_memory", "page fragmentation, worst conversation shape")]),
 )
 
