@@ -1,0 +1,225 @@
+"""Do the needle task's later facts survive turn 1's compression? Tangram vs uniform at the same mean budget.
+
+The accuracy run's needle conversations (``eval/accuracy.py``: a document with four "access code" facts, one
+question per turn) compress the document once, in turn 1, with question 1 in the scorer's observation window;
+questions 2-4 then read what survived. This script replays turn 1's prefill of those conversations through the
+CPU reference engine (the same pool, scorer and selection as the accuracy run) under the uniform profile and the
+shipped tangram profile at one budget, and counts, for every fact, the (layer, kv head) pairs that keep all of
+its code's tokens. With the accuracy run's per-seed result files (``--turns``) it also splits the later turns by
+whether the method answered them, so retention can be read beside correctness.
+
+    python eval/needle_retention.py --seeds 2000,3000 --out eval/results/needle_retention_p31.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "eval"))
+
+from accuracy import FULL_SIZES, SCORER_SLUGS, MethodSpec, build_runner, needle_task
+from results_io import RESULTS, summary_row, write_result
+
+DEFAULT_SEEDS = (2000, 3000, 4000, 5000, 6000, 7000, 8000, 9000, 10000, 11000, 12000, 13000, 14000, 15000)
+
+
+def code_token_positions(tok: Any, messages: list[dict[str, str]], prompt_ids: Sequence[int],
+                         codes: Sequence[str]) -> list[list[int]]:
+    """Positions in ``prompt_ids`` of the tokens that spell each fact's code ("... vault is <code>.")."""
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc["input_ids"]) != list(prompt_ids):
+        raise RuntimeError("the chat template's text does not re-tokenize to the prompt's ids")
+    out = []
+    for code in codes:
+        anchor = f"vault is {code}."
+        at = text.find(anchor)
+        if at < 0 or text.find(anchor, at + 1) >= 0:
+            raise RuntimeError(f"fact with code {code} not found exactly once in the prompt")
+        lo, hi = at + len("vault is "), at + len("vault is ") + len(code)
+        pos = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < hi and e > lo]
+        if not pos:
+            raise RuntimeError(f"no token covers code {code}")
+        out.append(pos)
+    return out
+
+
+def heads_keeping(engine: Any, prompt_ids: Sequence[int], positions: Sequence[int]) -> list[list[bool]]:
+    """[layer][kv head]: whether that head's cache (after turn 1) holds every one of ``positions``."""
+    lay = engine.layout
+    segs = [s for s in engine.kv.match(prompt_ids).segments() if s.start <= min(positions) and max(positions) < s.end]
+    if len(segs) != 1:
+        raise RuntimeError(f"expected one cached segment over positions {positions}, found {len(segs)}")
+    seg = segs[0]
+    want = torch.tensor([p - seg.start for p in positions], dtype=torch.int32)
+    keeps = [[False] * lay.num_kv_heads for _ in range(lay.num_layers)]
+    for g, members in enumerate(lay.members):
+        for c, (li, hi) in enumerate(members):
+            keeps[li][hi] = bool(torch.isin(want, seg.kept_positions(g, c)).all())
+    return keeps
+
+
+def turn_correctness(paths: Sequence[Path], labels: Sequence[str]) -> dict[tuple, bool]:
+    """(label, seed, conversation, turn) -> correct, from accuracy runs' per-seed result files."""
+    out = {}
+    for p in paths:
+        data = json.loads(p.read_text())["data"]
+        for t in data["turns"]:
+            label = "full" if t["method"] == "full" else f"{t['method']}@{t['budget']:g}"
+            if t["task"] == "needle" and label in labels:
+                out[(label, data["seed"], t["conversation"], t["turn"])] = bool(t["correct"])
+    return out
+
+
+def summarize(rows: list[dict], num_layers: int, num_heads: int, skip_layers: int) -> dict:
+    """Per fact index: mean heads (of all, and of layers >= skip_layers) that keep the code; by correctness."""
+    out = {}
+    for q in sorted({r["fact"] for r in rows}):
+        mine = [r for r in rows if r["fact"] == q]
+        cell = {
+            "facts": len(mine),
+            "heads_keeping_mean": round(mean(r["heads"] for r in mine), 2),
+            f"heads_keeping_mean_layers_ge_{skip_layers}": round(mean(r["heads_deep"] for r in mine), 2),
+            "all_heads": num_layers * num_heads,
+            "facts_kept_by_no_deep_head": sum(r["heads_deep"] == 0 for r in mine),
+        }
+        for ok in (True, False):
+            sel = [r["heads_deep"] for r in mine if r.get("correct") is ok]
+            if sel:
+                cell[f"deep_heads_mean_when_{'correct' if ok else 'wrong'}"] = round(mean(sel), 2)
+                cell[f"turns_{'correct' if ok else 'wrong'}"] = len(sel)
+        out[str(q)] = cell
+    return out
+
+
+def by_outcome(rows: dict[str, list[dict]]) -> list[dict]:
+    """Later facts (turns 2-4) split by which methods answered them: each method's mean deep-head count there."""
+    (a, ra), (b, rb) = rows.items()
+    key = lambda r: (r["seed"], r["conversation"], r["fact"])
+    other = {key(r): r for r in rb}
+    cells: dict[tuple[bool, bool], list[tuple[int, int]]] = {}
+    for r in ra:
+        o = other.get(key(r))
+        if r["fact"] > 0 and o is not None and "correct" in r and "correct" in o:
+            cells.setdefault((r["correct"], o["correct"]), []).append((r["heads_deep"], o["heads_deep"]))
+    return [{f"{a} correct": ca, f"{b} correct": cb, "turns": len(v),
+             f"{a} deep heads": round(mean(x for x, _ in v), 2), f"{b} deep heads": round(mean(y for _, y in v), 2)}
+            for (ca, cb), v in sorted(cells.items())]
+
+
+def plot(by_fact: dict, skip_layers: int, path: Path, title: str) -> None:
+    """Bars: mean heads of layers >= ``skip_layers`` keeping each fact's code, per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = f"heads_keeping_mean_layers_ge_{skip_layers}"
+    facts = sorted({int(q) for cells in by_fact.values() for q in cells})
+    width = 0.8 / len(by_fact)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for i, (label, cells) in enumerate(by_fact.items()):
+        ax.bar([f + i * width for f in facts], [cells[str(f)][key] for f in facts], width, label=label)
+    ax.set_xticks([f + width * (len(by_fact) - 1) / 2 for f in facts],
+                  [f"fact {f + 1}\n(asked in turn {f + 1})" for f in facts])
+    ax.set_ylabel(f"heads of layers >= {skip_layers}\nkeeping the code (mean)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)),
+                    help="accuracy task seeds (default: the fourteen of accuracy_cpu_p31_pooled)")
+    ap.add_argument("--samples", type=int, default=8, help="needle conversations per seed (default 8, as accuracy)")
+    ap.add_argument("--budget", type=float, default=0.5)
+    ap.add_argument("--scorer", choices=sorted(SCORER_SLUGS), default="snapkv:pool_kernel=31")
+    ap.add_argument("--skip-layers", type=int, default=2,
+                    help="also count heads of layers >= this only (the profile gives layers 0-1 ~0.77)")
+    ap.add_argument("--turns", nargs="*", type=Path, default=None, metavar="JSON",
+                    help="accuracy result files whose needle turns give each later fact's correctness "
+                         "(default: eval/results/accuracy_cpu_seed<S>_p31.json for each seed, where present)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=RESULTS / "needle_retention_p31.json")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    from tqdm import tqdm
+
+    from tangram_sgl.models import load_model_dir, resolve_model_dir
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    turn_files = args.turns if args.turns is not None else [
+        p for s in seeds if (p := RESULTS / f"accuracy_cpu_seed{s}_p31.json").is_file()]
+    specs = [MethodSpec("uniform", args.budget), MethodSpec("tangram", args.budget)]
+    correct = turn_correctness(turn_files, [s.label for s in specs])
+    model_dir = resolve_model_dir("smollm2")
+    model, tok = load_model_dir(model_dir)
+    count_tokens = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
+    convs = {s: needle_task(args.samples, FULL_SIZES, count_tokens, s) for s in seeds}
+    t0 = time.perf_counter()
+    rows: dict[str, list[dict]] = {}
+    with tqdm(total=len(specs) * len(seeds) * args.samples, desc="turn-1 prefills", unit="conv") as bar:
+        for spec in specs:
+            runner, _ = build_runner(spec, model, None, tok, 4096, args.scorer, "smollm2")
+            engine = runner.engine
+            rows[spec.label] = []
+            for seed in seeds:
+                for conv in convs[seed]:
+                    messages = conv.messages_for_turn(0, [])
+                    ids = engine.chat_prompt(messages)
+                    engine.generate((seed, conv.id), ids, 1)  # turn 1's prefill: the document's compression
+                    codes = [t.expected for t in conv.turns]
+                    for q, pos in enumerate(code_token_positions(tok, messages, ids, codes)):
+                        keeps = heads_keeping(engine, ids, pos)
+                        row = {"seed": seed, "conversation": conv.id, "fact": q, "code_tokens": len(pos),
+                               "heads": sum(map(sum, keeps)), "heads_deep": sum(map(sum, keeps[args.skip_layers:]))}
+                        if (key := (spec.label, seed, conv.id, q)) in correct:
+                            row["correct"] = correct[key]
+                        rows[spec.label].append(row)
+                    bar.update(1)
+            del runner, engine
+    cfg = model.config
+    result = {label: summarize(r, cfg.num_hidden_layers, cfg.num_key_value_heads, args.skip_layers)
+              for label, r in rows.items()}
+    later = {label: [r for r in r_ if r["fact"] > 0] for label, r_ in rows.items()}
+    summary = []
+    for label, r in later.items():
+        summary.append(summary_row(f"needle facts 2-4 of turn 1's document: heads of layers >= {args.skip_layers} "
+                                   f"keeping the code, {label} (n={len(r)})",
+                                   round(mean(x["heads_deep"] for x in r), 2), "heads (mean)"))
+    data = {
+        "model": f"SmolLM2-135M-Instruct ({model_dir.name}, float32, CPU)",
+        "scorer": args.scorer, "budget": args.budget, "seeds": seeds, "samples_per_seed": args.samples,
+        "skip_layers": args.skip_layers, "turn_files": [p.name for p in turn_files],
+        "definition": "a (layer, kv head) keeps a fact when every token overlapping the code's characters is in its "
+                      "cache after turn 1 (the compressed document segment); fact 0 is asked in turn 1, facts 1-3 "
+                      "in turns 2-4, after the compression",
+        "by_fact": result, "by_outcome": by_outcome(rows), "rows": rows, "seconds": round(time.perf_counter() - t0, 1),
+    }
+    write_result(args.out.stem, data, summary, directory=args.out.parent)
+    plot(result, args.skip_layers, args.out.with_suffix(".png"),
+         f"SmolLM2-135M, needle task, {len(seeds)} seeds x {args.samples}, {args.scorer} @ {args.budget:g}:\n"
+         f"each fact's code after turn 1's compression")
+    print(json.dumps(result, indent=1))
+    return data
+
+
+if __name__ == "__main__":
+    main()

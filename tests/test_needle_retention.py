@@ -1,0 +1,74 @@
+"""``eval/needle_retention.py``: which heads keep a fact's tokens, read from the cached segment, agrees with the
+request-level gather of each head's kept positions; a fact's code is found token by token in a chat prompt."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "eval"))
+
+from needle_retention import by_outcome, code_token_positions, heads_keeping
+from test_reference_engine import rand_ids, tiny_llama
+
+from tangram_sgl.profile import ModelIdentity
+from tangram_sgl.profile_builder import build_profile
+from tangram_sgl.replay.reference_engine import ReferenceEngine
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_heads_keeping_matches_each_heads_gathered_positions():
+    model = tiny_llama(5)
+    gen = torch.Generator().manual_seed(6)
+    mean = (torch.rand(3, 2, generator=gen) * 0.4 + 0.05).tolist()  # non-uniform budgets
+    profile = build_profile(ModelIdentity.from_config(model.config), mean, [[0.0, 0.0]] * 3, scorer="snapkv",
+                            target_ratio=0.25, alpha=0.0, page_size=4, heads_per_group=2, sink_tokens=2,
+                            recent_window=6)
+    eng = ReferenceEngine(model, profile, kv_pages=300)
+    prompt = rand_ids(gen, 120)
+    eng.generate("t1", prompt, 1)
+    eng.kv.admit("probe", prompt)
+    kept = {(li, h): set(eng.kv.gather("probe", li, h)[2].tolist()) for li in range(3) for h in range(2)}
+    eng.kv.abort("probe")
+    some_kept = some_dropped = False
+    for pos in ([0, 1], [118, 119], [40], [50, 51, 52], list(range(20, 30)), [7, 90]):
+        keeps = heads_keeping(eng, prompt, pos)
+        expect = [[set(pos) <= kept[(li, h)] for h in range(2)] for li in range(3)]
+        assert keeps == expect, pos
+        some_kept |= any(map(any, keeps[1:]))
+        some_dropped |= not all(map(all, keeps))
+    assert all(map(all, heads_keeping(eng, prompt, [0, 1]))) and all(map(all, heads_keeping(eng, prompt, [119])))
+    assert some_kept and some_dropped  # the cases tell heads apart
+
+
+def test_code_token_positions_spell_each_code():
+    from transformers import AutoTokenizer
+
+    from tangram_sgl.models import resolve_model_dir
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2"))
+    codes = ["004217", "938120"]
+    doc = f"Intro text.\n\nThe access code of the red fox vault is {codes[0]}.\n\nMore text.\n\n" \
+          f"The access code of the blue owl vault is {codes[1]}.\n\nEnd."
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": doc}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    for code, pos in zip(codes, code_token_positions(tok, messages, ids, codes)):
+        assert pos == list(range(pos[0], pos[-1] + 1))
+        assert tok.decode([ids[p] for p in pos]).strip() == code
+    with pytest.raises(RuntimeError, match="not found exactly once"):
+        code_token_positions(tok, messages, ids, ["555555"])
+
+
+def test_by_outcome_pairs_the_same_fact_of_both_methods():
+    row = lambda conv, fact, deep, ok: {"seed": 1, "conversation": conv, "fact": fact, "heads_deep": deep, "correct": ok}
+    rows = {"u": [row("a", 0, 9, True), row("a", 1, 10, True), row("b", 1, 20, False), row("c", 2, 30, True)],
+            "t": [row("a", 0, 1, False), row("a", 1, 4, False), row("b", 1, 6, False), row("c", 2, 8, False)]}
+    assert by_outcome(rows) == [
+        {"u correct": False, "t correct": False, "turns": 1, "u deep heads": 20, "t deep heads": 6},
+        {"u correct": True, "t correct": False, "turns": 2, "u deep heads": 20, "t deep heads": 6},
+    ]
