@@ -5,7 +5,7 @@ question per turn) compress the document once, in turn 1, with question 1 in the
 questions 2-4 then read what survived. This script replays turn 1's prefill of those conversations through the
 CPU reference engine (the same pool, scorer and selection as the accuracy run) under the uniform profile and the
 shipped tangram profile at one budget, and counts, for every fact, the (layer, kv head) pairs that keep all of
-its code's tokens. With the accuracy run's per-seed result files (``--turns``) it also splits the later turns by
+its code's tokens, and all of its vault name's and code's tokens (what a question names and what it asks). With the accuracy run's per-seed result files (``--turns``) it also splits the later turns by
 whether the method answered them, so retention can be read beside correctness.
 
     python eval/needle_retention.py --seeds 2000,3000 --out eval/results/needle_retention_p31.json
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -33,25 +34,35 @@ from results_io import RESULTS, summary_row, write_result
 DEFAULT_SEEDS = (2000, 3000, 4000, 5000, 6000, 7000, 8000, 9000, 10000, 11000, 12000, 13000, 14000, 15000)
 
 
-def code_token_positions(tok: Any, messages: list[dict[str, str]], prompt_ids: Sequence[int],
-                         codes: Sequence[str]) -> list[list[int]]:
-    """Positions in ``prompt_ids`` of the tokens that spell each fact's code ("... vault is <code>.")."""
+def fact_token_positions(tok: Any, messages: list[dict[str, str]], prompt_ids: Sequence[int],
+                         facts: Sequence[tuple[str, str]]) -> list[dict[str, list[int]]]:
+    """Positions in ``prompt_ids`` of each (name, code) fact's tokens: ``code`` spells the code and ``name`` the
+    vault's name in "The access code of the <name> vault is <code>." (the tokens overlapping their characters)."""
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     if list(enc["input_ids"]) != list(prompt_ids):
         raise RuntimeError("the chat template's text does not re-tokenize to the prompt's ids")
+    covering = lambda lo, hi: [i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < hi and e > lo]
     out = []
-    for code in codes:
-        anchor = f"vault is {code}."
-        at = text.find(anchor)
-        if at < 0 or text.find(anchor, at + 1) >= 0:
-            raise RuntimeError(f"fact with code {code} not found exactly once in the prompt")
-        lo, hi = at + len("vault is "), at + len("vault is ") + len(code)
-        pos = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < hi and e > lo]
-        if not pos:
-            raise RuntimeError(f"no token covers code {code}")
-        out.append(pos)
+    for name, code in facts:
+        sentence = f"The access code of the {name} vault is {code}."
+        at = text.find(sentence)
+        if at < 0 or text.find(sentence, at + 1) >= 0:
+            raise RuntimeError(f"fact {sentence!r} not found exactly once in the prompt")
+        name_at, code_at = at + sentence.index(f" {name} ") + 1, at + sentence.rindex(code)
+        out.append({"name": covering(name_at, name_at + len(name)), "code": covering(code_at, code_at + len(code))})
     return out
+
+
+_QUESTION = re.compile(r"access code of the (.+?) vault\?")
+
+
+def conversation_facts(conv: Any) -> list[tuple[str, str]]:
+    """(vault name, code) asked in each turn of a needle conversation."""
+    names = [_QUESTION.findall(t.user) for t in conv.turns]
+    if any(len(n) != 1 for n in names):
+        raise RuntimeError(f"{conv.id}: expected one vault question per turn, found {names}")
+    return [(n[0], t.expected) for n, t in zip(names, conv.turns)]
 
 
 def heads_keeping(engine: Any, prompt_ids: Sequence[int], positions: Sequence[int]) -> list[list[bool]]:
@@ -81,28 +92,25 @@ def turn_correctness(paths: Sequence[Path], labels: Sequence[str]) -> dict[tuple
     return out
 
 
-def summarize(rows: list[dict], num_layers: int, num_heads: int, skip_layers: int) -> dict:
-    """Per fact index: mean heads (of all, and of layers >= skip_layers) that keep the code; by correctness."""
+MEASURES = {"code": "every token of the code", "name_and_code": "every token of the vault's name and of its code"}
+
+
+def summarize(rows: list[dict], measure: str) -> dict:
+    """Per fact index: mean deep heads keeping ``measure``, overall and split by the method's correctness."""
     out = {}
     for q in sorted({r["fact"] for r in rows}):
         mine = [r for r in rows if r["fact"] == q]
-        cell = {
-            "facts": len(mine),
-            "heads_keeping_mean": round(mean(r["heads"] for r in mine), 2),
-            f"heads_keeping_mean_layers_ge_{skip_layers}": round(mean(r["heads_deep"] for r in mine), 2),
-            "all_heads": num_layers * num_heads,
-            "facts_kept_by_no_deep_head": sum(r["heads_deep"] == 0 for r in mine),
-        }
-        for ok in (True, False):
-            sel = [r["heads_deep"] for r in mine if r.get("correct") is ok]
-            if sel:
-                cell[f"deep_heads_mean_when_{'correct' if ok else 'wrong'}"] = round(mean(sel), 2)
-                cell[f"turns_{'correct' if ok else 'wrong'}"] = len(sel)
+        cell = {"facts": len(mine), "deep_heads_mean": round(mean(r[measure] for r in mine), 2),
+                "kept_by_no_deep_head": sum(r[measure] == 0 for r in mine)}
+        for ok, word in ((True, "correct"), (False, "wrong")):
+            if sel := [r[measure] for r in mine if r.get("correct") is ok]:
+                cell[f"deep_heads_mean_when_{word}"] = round(mean(sel), 2)
+                cell[f"turns_{word}"] = len(sel)
         out[str(q)] = cell
     return out
 
 
-def by_outcome(rows: dict[str, list[dict]]) -> list[dict]:
+def by_outcome(rows: dict[str, list[dict]], measure: str) -> list[dict]:
     """Later facts (turns 2-4) split by which methods answered them: each method's mean deep-head count there."""
     (a, ra), (b, rb) = rows.items()
     key = lambda r: (r["seed"], r["conversation"], r["fact"])
@@ -111,30 +119,32 @@ def by_outcome(rows: dict[str, list[dict]]) -> list[dict]:
     for r in ra:
         o = other.get(key(r))
         if r["fact"] > 0 and o is not None and "correct" in r and "correct" in o:
-            cells.setdefault((r["correct"], o["correct"]), []).append((r["heads_deep"], o["heads_deep"]))
+            cells.setdefault((r["correct"], o["correct"]), []).append((r[measure], o[measure]))
     return [{f"{a} correct": ca, f"{b} correct": cb, "turns": len(v),
              f"{a} deep heads": round(mean(x for x, _ in v), 2), f"{b} deep heads": round(mean(y for _, y in v), 2)}
             for (ca, cb), v in sorted(cells.items())]
 
 
 def plot(by_fact: dict, skip_layers: int, path: Path, title: str) -> None:
-    """Bars: mean heads of layers >= ``skip_layers`` keeping each fact's code, per method."""
+    """One panel per measure: bars of the mean deep heads keeping each fact, per method."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    key = f"heads_keeping_mean_layers_ge_{skip_layers}"
-    facts = sorted({int(q) for cells in by_fact.values() for q in cells})
-    width = 0.8 / len(by_fact)
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    for i, (label, cells) in enumerate(by_fact.items()):
-        ax.bar([f + i * width for f in facts], [cells[str(f)][key] for f in facts], width, label=label)
-    ax.set_xticks([f + width * (len(by_fact) - 1) / 2 for f in facts],
-                  [f"fact {f + 1}\n(asked in turn {f + 1})" for f in facts])
-    ax.set_ylabel(f"heads of layers >= {skip_layers}\nkeeping the code (mean)")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
+    fig, axes = plt.subplots(1, len(by_fact), figsize=(5.2 * len(by_fact), 3.8), sharey=True)
+    for ax, (measure, per_label) in zip(axes, by_fact.items()):
+        facts = sorted({int(q) for cells in per_label.values() for q in cells})
+        width = 0.8 / len(per_label)
+        for i, (label, cells) in enumerate(per_label.items()):
+            ax.bar([f + i * width for f in facts], [cells[str(f)]["deep_heads_mean"] for f in facts], width,
+                   label=label)
+        ax.set_xticks([f + width * (len(per_label) - 1) / 2 for f in facts],
+                      [f"fact {f + 1}\n(turn {f + 1})" for f in facts])
+        ax.set_title(f"keeping {MEASURES[measure]}", fontsize=9)
+    axes[0].set_ylabel(f"heads of layers >= {skip_layers} (mean)")
+    axes[0].legend()
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -185,39 +195,45 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     messages = conv.messages_for_turn(0, [])
                     ids = engine.chat_prompt(messages)
                     engine.generate((seed, conv.id), ids, 1)  # turn 1's prefill: the document's compression
-                    codes = [t.expected for t in conv.turns]
-                    for q, pos in enumerate(code_token_positions(tok, messages, ids, codes)):
-                        keeps = heads_keeping(engine, ids, pos)
-                        row = {"seed": seed, "conversation": conv.id, "fact": q, "code_tokens": len(pos),
-                               "heads": sum(map(sum, keeps)), "heads_deep": sum(map(sum, keeps[args.skip_layers:]))}
+                    for q, pos in enumerate(fact_token_positions(tok, messages, ids, conversation_facts(conv))):
+                        code = heads_keeping(engine, ids, pos["code"])
+                        both = heads_keeping(engine, ids, pos["name"] + pos["code"])
+                        deep = lambda keeps: sum(map(sum, keeps[args.skip_layers:]))
+                        row = {"seed": seed, "conversation": conv.id, "fact": q, "name_tokens": len(pos["name"]),
+                               "code_tokens": len(pos["code"]), "code_all_layers": sum(map(sum, code)),
+                               "code": deep(code), "name_and_code": deep(both)}
                         if (key := (spec.label, seed, conv.id, q)) in correct:
                             row["correct"] = correct[key]
                         rows[spec.label].append(row)
                     bar.update(1)
             del runner, engine
-    cfg = model.config
-    result = {label: summarize(r, cfg.num_hidden_layers, cfg.num_key_value_heads, args.skip_layers)
-              for label, r in rows.items()}
-    later = {label: [r for r in r_ if r["fact"] > 0] for label, r_ in rows.items()}
-    summary = []
-    for label, r in later.items():
-        summary.append(summary_row(f"needle facts 2-4 of turn 1's document: heads of layers >= {args.skip_layers} "
-                                   f"keeping the code, {label} (n={len(r)})",
-                                   round(mean(x["heads_deep"] for x in r), 2), "heads (mean)"))
+    deep_heads = (model.config.num_hidden_layers - args.skip_layers) * model.config.num_key_value_heads
+    by_fact = {m: {label: summarize(r, m) for label, r in rows.items()} for m in MEASURES}
+    summary = [
+        summary_row(f"needle facts 2-4 of turn 1's document: heads of layers >= {args.skip_layers} (of {deep_heads}) "
+                    f"keeping {MEASURES[m]}, {label} (n={len(later)})", round(mean(x[m] for x in later), 2),
+                    "heads (mean)")
+        for m in MEASURES for label, r in rows.items() if (later := [x for x in r if x["fact"] > 0])
+    ]
     data = {
         "model": f"SmolLM2-135M-Instruct ({model_dir.name}, float32, CPU)",
         "scorer": args.scorer, "budget": args.budget, "seeds": seeds, "samples_per_seed": args.samples,
-        "skip_layers": args.skip_layers, "turn_files": [p.name for p in turn_files],
-        "definition": "a (layer, kv head) keeps a fact when every token overlapping the code's characters is in its "
-                      "cache after turn 1 (the compressed document segment); fact 0 is asked in turn 1, facts 1-3 "
+        "skip_layers": args.skip_layers, "deep_heads": deep_heads, "turn_files": [p.name for p in turn_files],
+        "definition": "a (layer, kv head) keeps a fact when every token overlapping the characters measured (the "
+                      "code; the vault's name and the code) is in its cache after turn 1 (the compressed document "
+                      "segment); counts are over heads of layers >= skip_layers; fact 0 is asked in turn 1, facts 1-3 "
                       "in turns 2-4, after the compression",
-        "by_fact": result, "by_outcome": by_outcome(rows), "rows": rows, "seconds": round(time.perf_counter() - t0, 1),
+        "measures": MEASURES,
+        "by_fact": by_fact,
+        "by_outcome": {m: by_outcome(rows, m) for m in MEASURES},
+        "rows": rows,
+        "seconds": round(time.perf_counter() - t0, 1),
     }
     write_result(args.out.stem, data, summary, directory=args.out.parent)
-    plot(result, args.skip_layers, args.out.with_suffix(".png"),
+    plot(by_fact, args.skip_layers, args.out.with_suffix(".png"),
          f"SmolLM2-135M, needle task, {len(seeds)} seeds x {args.samples}, {args.scorer} @ {args.budget:g}:\n"
-         f"each fact's code after turn 1's compression")
-    print(json.dumps(result, indent=1))
+         f"each fact after turn 1's compression")
+    print(json.dumps({"by_fact": by_fact, "by_outcome": data["by_outcome"]}, indent=1))
     return data
 
 

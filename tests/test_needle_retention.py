@@ -1,5 +1,6 @@
 """``eval/needle_retention.py``: which heads keep a fact's tokens, read from the cached segment, agrees with the
-request-level gather of each head's kept positions; a fact's code is found token by token in a chat prompt."""
+request-level gather of each head's kept positions; a fact's name and code are found token by token in a chat
+prompt."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "eval"))
 
-from needle_retention import by_outcome, code_token_positions, heads_keeping
+from needle_retention import by_outcome, conversation_facts, fact_token_positions, heads_keeping
 from test_reference_engine import rand_ids, tiny_llama
 
 from tangram_sgl.profile import ModelIdentity
@@ -45,30 +46,42 @@ def test_heads_keeping_matches_each_heads_gathered_positions():
     assert some_kept and some_dropped  # the cases tell heads apart
 
 
-def test_code_token_positions_spell_each_code():
+def test_fact_token_positions_spell_each_name_and_code():
     from transformers import AutoTokenizer
 
     from tangram_sgl.models import resolve_model_dir
 
     tok = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2"))
-    codes = ["004217", "938120"]
-    doc = f"Intro text.\n\nThe access code of the red fox vault is {codes[0]}.\n\nMore text.\n\n" \
-          f"The access code of the blue owl vault is {codes[1]}.\n\nEnd."
+    facts = [("red fox", "004217"), ("blue owl", "938120")]
+    doc = "Intro text.\n\n" + "\n\nMore text.\n\n".join(
+        f"The access code of the {n} vault is {c}." for n, c in facts) + "\n\nWhat is the access code of the red fox vault?"
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": doc}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    for code, pos in zip(codes, code_token_positions(tok, messages, ids, codes)):
-        assert pos == list(range(pos[0], pos[-1] + 1))
-        assert tok.decode([ids[p] for p in pos]).strip() == code
+    for (name, code), pos in zip(facts, fact_token_positions(tok, messages, ids, facts)):
+        for part, text in (("name", name), ("code", code)):
+            assert pos[part] == list(range(pos[part][0], pos[part][-1] + 1))
+            assert tok.decode([ids[p] for p in pos[part]]).strip() == text
+        assert pos["name"][-1] < pos["code"][0]  # the fact's own name, not the question's
     with pytest.raises(RuntimeError, match="not found exactly once"):
-        code_token_positions(tok, messages, ids, ["555555"])
+        fact_token_positions(tok, messages, ids, [("red fox", "555555")])
+
+
+def test_conversation_facts_reads_each_turns_question():
+    from accuracy import FULL_SIZES, needle_task
+
+    conv = needle_task(1, FULL_SIZES, lambda text: len(text) // 4, 1000)[0]
+    facts = conversation_facts(conv)
+    assert [c for _, c in facts] == [t.expected for t in conv.turns] and len(facts) == 4
+    for name, code in facts:
+        assert f"The access code of the {name} vault is {code}." in conv.turns[0].user
 
 
 def test_by_outcome_pairs_the_same_fact_of_both_methods():
-    row = lambda conv, fact, deep, ok: {"seed": 1, "conversation": conv, "fact": fact, "heads_deep": deep, "correct": ok}
+    row = lambda conv, fact, deep, ok: {"seed": 1, "conversation": conv, "fact": fact, "code": deep, "correct": ok}
     rows = {"u": [row("a", 0, 9, True), row("a", 1, 10, True), row("b", 1, 20, False), row("c", 2, 30, True)],
             "t": [row("a", 0, 1, False), row("a", 1, 4, False), row("b", 1, 6, False), row("c", 2, 8, False)]}
-    assert by_outcome(rows) == [
+    assert by_outcome(rows, "code") == [
         {"u correct": False, "t correct": False, "turns": 1, "u deep heads": 20, "t deep heads": 6},
         {"u correct": True, "t correct": False, "turns": 2, "u deep heads": 20, "t deep heads": 6},
     ]
