@@ -55,7 +55,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "eval"))
 
-from results_io import RESULTS, summary_row, write_result
+from results_io import RESULTS, save_figure, summary_row, write_result
 
 SEED = 1000  # calibration used seed 0 (profiler notes.calibration.seed); every task seed here is >= SEED
 TASKS = ("needle", "kv", "ruler_niah")
@@ -514,10 +514,7 @@ def plot(scores: dict, budgets: Sequence[float], tasks: Sequence[str], path: Pat
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("answers containing the expected text (%)")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "eval"))
 
 from accuracy import FULL_SIZES, SCORER_SLUGS, MethodSpec, build_runner, needle_task
-from results_io import RESULTS, summary_row, write_result
+from results_io import RESULTS, save_figure, summary_row, write_result
 
 DEFAULT_SEEDS = (2000, 3000, 4000, 5000, 6000, 7000, 8000, 9000, 10000, 11000, 12000, 13000, 14000, 15000)
 
@@ -144,10 +144,7 @@ def plot(by_fact: dict, skip_layers: int, path: Path, title: str) -> None:
         ax.set_title(f"keeping {MEASURES[measure]}", fontsize=9)
     axes[0].set_ylabel(f"heads of layers >= {skip_layers} (mean)")
     axes[0].legend()
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -50,6 +50,17 @@ def peak_hbm_bytes_per_s(device: str) -> float:
     return next((bw for key, bw in _PEAK_HBM if key in device), _PEAK_HBM[0][1])
 
 
+def save_figure(fig: Any, path: Path, title: str | None = None) -> None:
+    """Lay out ``fig`` (under ``title``, if given), write it to ``path`` as a PNG and close it."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def summary_row(metric: str, value: float, unit: str = "", target: str = "", met: bool | None = None) -> dict:
     return {"metric": metric, "value": value, "unit": unit, "target": target, "met": met}
 
