@@ -5,8 +5,9 @@ question per turn) compress the document once, in turn 1, with question 1 in the
 questions 2-4 then read what survived. This script replays turn 1's prefill of those conversations through the
 CPU reference engine (the same pool, scorer and selection as the accuracy run) under the uniform profile and the
 shipped tangram profile at one budget, and counts, for every fact, the (layer, kv head) pairs that keep all of
-its code's tokens, and all of its vault name's and code's tokens (what a question names and what it asks). With the accuracy run's per-seed result files (``--turns``) it also splits the later turns by
-whether the method answered them, so retention can be read beside correctness.
+its code's tokens, and all of its vault name's and code's tokens (what a question names and what it asks). With
+the accuracy run's per-seed result files (``--turns``) it also splits the later turns by whether the method
+answered them, so retention can be read beside correctness.
 
     python eval/needle_retention.py --seeds 2000,3000 --out eval/results/needle_retention_p31.json
 """
@@ -155,10 +156,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--budget", type=float, default=0.5)
     ap.add_argument("--scorer", choices=sorted(SCORER_SLUGS), default="snapkv:pool_kernel=31")
     ap.add_argument("--skip-layers", type=int, default=2,
-                    help="also count heads of layers >= this only (the profile gives layers 0-1 ~0.77)")
+                    help="count heads of layers >= this (the pool-31 profile gives layers 0-1 ~0.77 at 0.5)")
     ap.add_argument("--turns", nargs="*", type=Path, default=None, metavar="JSON",
                     help="accuracy result files whose needle turns give each later fact's correctness "
-                         "(default: eval/results/accuracy_cpu_seed<S>_p31.json for each seed, where present)")
+                         "(default, with the pool-31 scorer: eval/results/accuracy_cpu_seed<S>_p31.json for each "
+                         "seed, where present)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS / "needle_retention_p31.json")
     return ap.parse_args(argv)
@@ -172,8 +174,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     seeds = [int(s) for s in args.seeds.split(",")]
+    p31 = args.scorer == "snapkv:pool_kernel=31"  # the scorer of the per-seed runs (budgets 0.5 and 0.25)
     turn_files = args.turns if args.turns is not None else [
-        p for s in seeds if (p := RESULTS / f"accuracy_cpu_seed{s}_p31.json").is_file()]
+        p for s in seeds if p31 and (p := RESULTS / f"accuracy_cpu_seed{s}_p31.json").is_file()]
     specs = [MethodSpec("uniform", args.budget), MethodSpec("tangram", args.budget)]
     correct = turn_correctness(turn_files, [s.label for s in specs])
     model_dir = resolve_model_dir("smollm2")
