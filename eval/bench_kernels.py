@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
-from results_io import device_name, peak_hbm_bytes_per_s, summary_row
+from results_io import device_name, peak_hbm_bytes_per_s, save_figure, summary_row
 from tangram_sgl.kernels.decode import (
     DECODE_CONFIG,
     csr_ranges,
@@ -429,8 +429,7 @@ def plot(results: list[dict], path: Path, gpu: str) -> None:
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"One Llama-3.1-8B decode layer\non {gpu} (bf16, page 16, H_p 4)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import requests
-from results_io import summary_row, write_result
+from results_io import save_figure, summary_row, write_result
 from server_proc import (
     TEMPLATES,
     ServerProcess,
@@ -332,8 +332,7 @@ def plot(runs: list[dict], path: Path) -> None:
     a2.legend()
     for ax in (a1, a2):
         ax.tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def plot_load(runs: list[dict], path: Path) -> None:
@@ -365,9 +364,7 @@ def plot_load(runs: list[dict], path: Path) -> None:
         for ax in (a1, a2):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

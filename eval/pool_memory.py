@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "eval"))
 
-from results_io import RESULTS, summary_row, write_result
+from results_io import RESULTS, save_figure, summary_row, write_result
 
 from tangram_sgl.budget import kept_tokens
 from tangram_sgl.pool.kv_manager import TangramKVManager
@@ -133,9 +133,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_ylim(0, max(r["memory_vs_full"] for r in rows) * 1.6)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,7 +37,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import requests
-from results_io import summary_row, write_result
+from results_io import save_figure, summary_row, write_result
 from server_proc import TEMPLATES, ServerProcess, gauge, server_args
 
 
@@ -129,8 +129,7 @@ def plot(samples: list[dict], path: Path) -> None:
              label="running requests")
     ax2.set_ylabel("running requests")
     ax.set_title("soak: pages in use under overload")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
