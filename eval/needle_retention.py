@@ -87,7 +87,7 @@ def turn_correctness(paths: Sequence[Path], labels: Sequence[str]) -> dict[tuple
     for p in paths:
         data = json.loads(p.read_text())["data"]
         for t in data["turns"]:
-            label = "full" if t["method"] == "full" else f"{t['method']}@{t['budget']:g}"
+            label = MethodSpec(t["method"], t["budget"]).label
             if t["task"] == "needle" and label in labels:
                 out[(label, data["seed"], t["conversation"], t["turn"])] = bool(t["correct"])
     return out
@@ -185,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     convs = {s: needle_task(args.samples, FULL_SIZES, count_tokens, s) for s in seeds}
     t0 = time.perf_counter()
     rows: dict[str, list[dict]] = {}
+    deep = lambda keeps: sum(map(sum, keeps[args.skip_layers:]))  # heads of layers >= skip_layers keeping
     with tqdm(total=len(specs) * len(seeds) * args.samples, desc="turn-1 prefills", unit="conv") as bar:
         for spec in specs:
             runner, _ = build_runner(spec, model, None, tok, 4096, args.scorer, "smollm2")
@@ -198,7 +199,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     for q, pos in enumerate(fact_token_positions(tok, messages, ids, conversation_facts(conv))):
                         code = heads_keeping(engine, ids, pos["code"])
                         both = heads_keeping(engine, ids, pos["name"] + pos["code"])
-                        deep = lambda keeps: sum(map(sum, keeps[args.skip_layers:]))
                         row = {"seed": seed, "conversation": conv.id, "fact": q, "name_tokens": len(pos["name"]),
                                "code_tokens": len(pos["code"]), "code_all_layers": sum(map(sum, code)),
                                "code": deep(code), "name_and_code": deep(both)}
