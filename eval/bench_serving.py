@@ -27,6 +27,7 @@ and merge the result files afterwards (``--merge``: same workload required; the 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import statistics
@@ -211,15 +212,26 @@ WORKLOAD_ARGS = ("sessions", "questions", "concurrency", "max_tokens", "ignore_e
                  "server_extra")  # and the contexts: each name the files share with one definition (_merged_contexts)
 
 
+def _context_specs(doc: dict) -> list[str]:
+    """A result file's ``--contexts`` entries (a run's file records the list as its ``str``, like every argument)."""
+    value = doc["data"]["args"]["contexts"]
+    return ast.literal_eval(value) if isinstance(value, str) else list(value)
+
+
 def _merged_contexts(docs: list[dict]) -> list[str] | None:
-    """Every context (``name=spec``) of the files, in first-seen order; None if one name has two specs."""
-    specs: dict[str, str] = {}
+    """Every context of the files as ``name=tokens@loads`` (the concurrencies any file measured it at, an entry
+    without its own at the file's ``--concurrency``), in first-seen order; None if one name has two sizes."""
+    sizes: dict[str, str] = {}
+    loads: dict[str, set[int]] = {}
     for d in docs:
-        for c in d["data"]["args"]["contexts"]:
-            name = c.partition("=")[0]
-            if specs.setdefault(name, c) != c:
+        for c in _context_specs(d):
+            spec, _, conc = c.partition("@")
+            name, _, tokens = spec.partition("=")
+            if sizes.setdefault(name, tokens) != tokens:
                 return None
-    return list(specs.values())
+            conc = conc or str(_workload_arg(d, "concurrency"))
+            loads.setdefault(name, set()).update(int(x) for x in conc.split(","))
+    return [f"{name}={tokens}@{','.join(map(str, sorted(loads[name])))}" for name, tokens in sizes.items()]
 
 
 def _window(doc: dict) -> float | None:

@@ -110,7 +110,7 @@ def _bench_file(path: Path, sessions: str, device: str = "NVIDIA H200", duration
                 cut: int = 0, wall_s: float = 240.0, date: str = "2026-12-02", label: str = "stock_flashinfer",
                 contexts: tuple[str, ...] = ("long=49152",)) -> Path:
     args = {k: "x" for k in bench_serving.WORKLOAD_ARGS} | {"sessions": sessions, "duration": duration,
-                                                           "concurrency": "24", "contexts": list(contexts)}
+                                                           "concurrency": "24", "contexts": str(list(contexts))}
     run = {"server": "stock:flashinfer", "label": label, "context": "long", "doc_tokens": 49152,
            "summary": {"output_tokens_per_s": 100.0, "ttft_s": None, "turns_cut": cut, "wall_s": wall_s}}
     path.write_text(json.dumps({"name": path.stem, "command": "c", "versions": {"sglang": "0.5.17"}, "device": device,
@@ -139,9 +139,12 @@ def test_bench_results_merge_only_with_the_same_workload_and_device(tmp_path):
         bench_serving.merged_runs([a, listed])
     with pytest.raises(ValueError, match="device differ"):
         bench_serving.merged_runs([a, _bench_file(tmp_path / "d.json", "24", device="NVIDIA H100")])
-    # a file measuring only some of the contexts merges (the workload keeps them all); another definition does not
-    both = _bench_file(tmp_path / "e.json", "24", contexts=("short=4096", "long=49152"))
-    assert bench_serving.merged_runs([both, a])[1]["contexts"] == ["short=4096", "long=49152"]
+    # a file measuring only some of the contexts merges (the workload keeps them all, each at every load a file ran
+    # it at); another definition does not. Files record the contexts as the str of the list, as runs write them
+    both = _bench_file(tmp_path / "e.json", "24", contexts=("short=4096@128", "long=49152"))
+    assert bench_serving.merged_runs([both, a])[1]["contexts"] == ["short=4096@128", "long=49152@24"]
+    some = _bench_file(tmp_path / "s.json", "24", contexts=("short=4096@8,32",))
+    assert bench_serving.merged_runs([both, some])[1]["contexts"] == ["short=4096@8,32,128", "long=49152@24"]
     with pytest.raises(ValueError, match="contexts differ"):
         bench_serving.merged_runs([a, _bench_file(tmp_path / "f.json", "24", contexts=("long=65536",))])
 
