@@ -373,8 +373,10 @@ def shipped_profile_path(model: str, budget: float, scorer: str) -> Path:
 
 
 def build_runner(
-    spec: MethodSpec, model: Any, dense_model: Any, tok: Any, kv_tokens: int, scorer: str, model_name: str
+    spec: MethodSpec, model: Any, dense_model: Any, tok: Any, kv_tokens: int, scorer: str, model_name: str,
+    profile_path: Path | None = None,
 ) -> tuple[ChatRunner, dict]:
+    """The runner of one method; tangram reads ``profile_path``, else the shipped profile of its budget."""
     from tangram_sgl.profile import load_profile
     from tangram_sgl.profile_builder import uniform_profile
     from tangram_sgl.replay.reference_engine import ReferenceEngine
@@ -387,10 +389,13 @@ def build_runner(
             f"uniform_profile(config, {spec.budget:g}, scorer={scorer!r})",
         )
     else:
-        path = shipped_profile_path(model_name, spec.budget, scorer)
+        path = profile_path or shipped_profile_path(model_name, spec.budget, scorer)
         # the profile of the installed package (outside this checkout when tangram_sgl is installed elsewhere)
         name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
         profile = load_profile(path, model.config)
+        if profile.scorer != scorer or abs(profile.mean_budget() - spec.budget) > 0.01:
+            raise SystemExit(f"{path} has scorer {profile.scorer!r} and mean budget {profile.mean_budget():.3f}: "
+                             f"not tangram@{spec.budget:g} with scorer {scorer!r}")
     pages = profile.num_groups * -(-kv_tokens // profile.page_size) + 1
     engine = ReferenceEngine(model, profile, kv_pages=pages, tokenizer=tok)
     return EngineRunner(engine), {
@@ -536,6 +541,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="model (default smollm2)")
     ap.add_argument("--scorer", choices=sorted(SCORER_SLUGS), default="snapkv",
                     help="scorer of the uniform and tangram runs (tangram: the shipped profile measured with it)")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="tangram's profile (default: the shipped one of --model, --scorer and the budget); "
+                         "one budget only, the profile's mean")
     ap.add_argument(
         "--quick",
         action="store_true",
@@ -557,6 +565,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         bad = [x for x in given if x not in allowed]
         if bad:
             ap.error(f"unknown {name}(s) {bad}; choose from {allowed}")
+    if args.profile and len(args.budgets) != 1:
+        ap.error("--profile serves one budget: give one --budgets value")
     if args.seed < SEED:
         ap.error(f"--seed must be >= {SEED} (seed 0 made the shipped profiles' calibration set)")
     return args
@@ -632,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for spec in specs:
             bar.set_postfix_str(spec.label)
             runner, configs[spec.label] = build_runner(spec, model, dense_model, tok, args.kv_tokens, args.scorer,
-                                                        args.model)
+                                                        args.model, args.profile)
             t = time.perf_counter()
             records += run_method(runner, spec, conversations, args.max_tokens, bar)
             timing[spec.label] = round(time.perf_counter() - t, 1)

@@ -7,7 +7,8 @@ CPU reference engine (the same pool, scorer and selection as the accuracy run) u
 shipped tangram profile at one budget, and counts, for every fact, the (layer, kv head) pairs that keep all of
 its code's tokens, and all of its vault name's and code's tokens (what a question names and what it asks). With
 the accuracy run's per-seed result files (``--turns``) it also splits the later turns by whether the method
-answered them, so retention can be read beside correctness.
+answered them, so retention can be read beside correctness, and ranks the heads whose keeping a fact's code
+best goes with its turn being answered (``predictive_heads``), with each method's keep rate and budget there.
 
     python eval/needle_retention.py --seeds 2000,3000 --out eval/results/needle_retention_p31.json
 """
@@ -93,6 +94,7 @@ def turn_correctness(paths: Sequence[Path], labels: Sequence[str]) -> dict[tuple
     return out
 
 
+TOP_HEADS = 10
 MEASURES = {"code": "every token of the code", "name_and_code": "every token of the vault's name and of its code"}
 
 
@@ -124,6 +126,29 @@ def by_outcome(rows: dict[str, list[dict]], measure: str) -> list[dict]:
     return [{f"{a} correct": ca, f"{b} correct": cb, "turns": len(v),
              f"{a} deep heads": round(mean(x for x, _ in v), 2), f"{b} deep heads": round(mean(y for _, y in v), 2)}
             for (ca, cb), v in sorted(cells.items())]
+
+
+def predictive_heads(rows: dict[str, list[dict]], budgets: dict[str, list[list[float]]], skip_layers: int,
+                     min_turns: int = 20) -> list[dict]:
+    """Per head of layers >= ``skip_layers``: the later turns (facts 2-4, every method's pooled) answered when it
+    kept the fact's code against when it dropped it, each method's keep rate and budget; heads with at least
+    ``min_turns`` turns each way, the widest difference first (``code_heads``: one bit per head, layer-major)."""
+    later = {label: [r for r in rs if r["fact"] > 0 and "correct" in r] for label, rs in rows.items()}
+    heads = len(next(iter(budgets.values()))[0])
+    out = []
+    for j in range(skip_layers * heads, len(next(r for rs in later.values() for r in rs)["code_heads"])):
+        kept = [r["correct"] for rs in later.values() for r in rs if r["code_heads"][j] == "1"]
+        dropped = [r["correct"] for rs in later.values() for r in rs if r["code_heads"][j] == "0"]
+        if min(len(kept), len(dropped)) < min_turns:
+            continue
+        cell = {"layer": j // heads, "head": j % heads, "turns_kept": len(kept), "turns_dropped": len(dropped),
+                "answered_when_kept": round(mean(kept), 3), "answered_when_dropped": round(mean(dropped), 3),
+                "difference": round(mean(kept) - mean(dropped), 3)}
+        for label, rs in later.items():
+            cell[f"{label} keeps"] = round(mean(r["code_heads"][j] == "1" for r in rs), 3)
+            cell[f"{label} budget"] = budgets[label][j // heads][j % heads]
+        out.append(cell)
+    return sorted(out, key=lambda c: -c["difference"])
 
 
 def plot(by_fact: dict, skip_layers: int, path: Path, title: str) -> None:
@@ -185,12 +210,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     convs = {s: needle_task(args.samples, FULL_SIZES, count_tokens, s) for s in seeds}
     t0 = time.perf_counter()
     rows: dict[str, list[dict]] = {}
+    budgets: dict[str, list[list[float]]] = {}
     deep = lambda keeps: sum(map(sum, keeps[args.skip_layers:]))  # heads of layers >= skip_layers keeping
     with tqdm(total=len(specs) * len(seeds) * args.samples, desc="turn-1 prefills", unit="conv") as bar:
         for spec in specs:
             runner, _ = build_runner(spec, model, None, tok, 4096, args.scorer, "smollm2")
             engine = runner.engine
             rows[spec.label] = []
+            budgets[spec.label] = [list(b) for b in engine.profile.budget]
             for seed in seeds:
                 for conv in convs[seed]:
                     messages = conv.messages_for_turn(0, [])
@@ -201,7 +228,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         both = heads_keeping(engine, ids, pos["name"] + pos["code"])
                         row = {"seed": seed, "conversation": conv.id, "fact": q, "name_tokens": len(pos["name"]),
                                "code_tokens": len(pos["code"]), "code_all_layers": sum(map(sum, code)),
-                               "code": deep(code), "name_and_code": deep(both)}
+                               "code": deep(code), "name_and_code": deep(both),
+                               "code_heads": "".join("01"[k] for layer in code for k in layer)}
                         if (key := (spec.label, seed, conv.id, q)) in correct:
                             row["correct"] = correct[key]
                         rows[spec.label].append(row)
@@ -215,6 +243,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     "heads (mean)")
         for m in MEASURES for label, r in rows.items() if (later := [x for x in r if x["fact"] > 0])
     ]
+    predictive = predictive_heads(rows, budgets, args.skip_layers) if correct else []
+    if top := predictive[:TOP_HEADS]:
+        summary += [summary_row(f"needle facts 2-4: the {len(top)} heads whose keeping the code best predicts an "
+                                f"answer (of {len(predictive)} with >= 20 turns each way): {label} keeps the code there",
+                                round(mean(c[f"{label} keeps"] for c in top), 3), "fraction of turns")
+                    for label in rows]
+        summary.append(summary_row(
+            f"needle facts 2-4: the {len(top)} heads' mean difference, answered when kept - when dropped",
+            round(mean(c["difference"] for c in top), 3), "fraction of turns"))
     data = {
         "model": f"SmolLM2-135M-Instruct ({model_dir.name}, float32, CPU)",
         "scorer": args.scorer, "budget": args.budget, "seeds": seeds, "samples_per_seed": args.samples,
@@ -226,6 +263,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "measures": MEASURES,
         "by_fact": by_fact,
         "by_outcome": {m: by_outcome(rows, m) for m in MEASURES},
+        "predictive_heads": predictive,
         "rows": rows,
         "seconds": round(time.perf_counter() - t0, 1),
     }
@@ -233,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     plot(by_fact, args.skip_layers, args.out.with_suffix(".png"),
          f"SmolLM2-135M, needle task, {len(seeds)} seeds x {args.samples}, {args.scorer} @ {args.budget:g}:\n"
          f"each fact after turn 1's compression")
-    print(json.dumps({"by_fact": by_fact, "by_outcome": data["by_outcome"]}, indent=1))
+    print(json.dumps({"by_fact": by_fact, "by_outcome": data["by_outcome"], "predictive_heads": predictive[:TOP_HEADS]},
+                     indent=1))
     return data
 
 

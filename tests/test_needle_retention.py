@@ -12,7 +12,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "eval"))
 
-from needle_retention import by_outcome, conversation_facts, fact_token_positions, heads_keeping
+from needle_retention import (
+    by_outcome,
+    conversation_facts,
+    fact_token_positions,
+    heads_keeping,
+    predictive_heads,
+)
 from test_reference_engine import rand_ids, tiny_llama
 
 from tangram_sgl.profile import ModelIdentity
@@ -85,3 +91,18 @@ def test_by_outcome_pairs_the_same_fact_of_both_methods():
         {"u correct": False, "t correct": False, "turns": 1, "u deep heads": 20, "t deep heads": 6},
         {"u correct": True, "t correct": False, "turns": 2, "u deep heads": 20, "t deep heads": 6},
     ]
+
+
+def test_predictive_heads_ranks_the_head_whose_keeping_goes_with_answers():
+    row = lambda fact, bits, ok: {"seed": 1, "conversation": "a", "fact": fact, "code_heads": bits, "correct": ok}
+    # layer 1's head 0 keeps the code on exactly the answered turns; its head 1 on half of each; fact 0 ignored
+    rows = {"u": [row(1, "1110", True), row(1, "1111", True), row(2, "1101", False), row(3, "1100", False),
+                  row(0, "0000", True)],
+            "t": [row(1, "0010", True), row(2, "0011", True), row(2, "0001", False), row(3, "0000", False)]}
+    budgets = {"u": [[0.5, 0.5], [0.5, 0.5]], "t": [[0.9, 0.9], [0.3, 0.1]]}
+    best, other = predictive_heads(rows, budgets, skip_layers=1, min_turns=2)
+    assert (best["layer"], best["head"], other["layer"], other["head"]) == (1, 0, 1, 1)
+    assert best["answered_when_kept"] == 1.0 and best["answered_when_dropped"] == 0.0 and best["difference"] == 1.0
+    assert other["difference"] == 0.0 and (other["turns_kept"], other["turns_dropped"]) == (4, 4)
+    assert best["u keeps"] == 0.5 and best["t keeps"] == 0.5 and best["t budget"] == 0.3
+    assert predictive_heads(rows, budgets, skip_layers=1, min_turns=5) == []  # too few turns either way
