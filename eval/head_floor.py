@@ -27,7 +27,7 @@ import accuracy
 from needle_retention import predictive_heads
 from results_io import RESULTS, summary_row, write_result
 
-from tangram_sgl.profile import TangramProfile
+from tangram_sgl.profile import TangramProfile, load_profile
 from tangram_sgl.profile_builder import build_profile
 
 SCORER = "snapkv:pool_kernel=31"
@@ -93,8 +93,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    from tangram_sgl.profile import load_profile
-
     args = parse_args(argv)
     choose = {int(s) for s in args.choose_seeds.split(",")}
     seeds = [int(s) for s in args.eval_seeds.split(",")]
