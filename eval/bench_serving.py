@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import requests
@@ -95,14 +96,20 @@ def replay(url: str, model: str, tokenizer: str, run: dict, a: argparse.Namespac
     return json.loads(out.read_text())
 
 
+def parse_context(entry: str, default_loads: Sequence[int]) -> tuple[str, int, list[int]]:
+    """(name, document tokens, concurrencies) of a ``--contexts`` entry ``name=tokens[@c1,c2,..]``; an entry
+    without its own concurrencies runs at ``default_loads`` (``--concurrency``)."""
+    spec, _, loads = entry.partition("@")
+    name, _, tokens = spec.partition("=")
+    return name, int(tokens), [int(x) for x in loads.split(",")] if loads else list(default_loads)
+
+
 def load_plan(a: argparse.Namespace) -> list[tuple[str, int, int]]:
-    """(context name, document tokens, concurrency) of every replay one server start runs, in order: each
-    ``--contexts`` entry ``name=tokens[@c1,c2,..]`` at its own concurrencies, else at ``--concurrency``."""
+    """(context name, document tokens, concurrency) of every replay one server start runs, in order."""
     plan = []
     for c in a.contexts:
-        spec, _, loads = c.partition("@")
-        name, _, tokens = spec.partition("=")
-        plan += [(name, int(tokens), n) for n in ([int(x) for x in loads.split(",")] if loads else a.concurrency)]
+        name, tokens, loads = parse_context(c, a.concurrency)
+        plan += [(name, tokens, n) for n in loads]
     return plan
 
 
@@ -221,16 +228,15 @@ def _context_specs(doc: dict) -> list[str]:
 def _merged_contexts(docs: list[dict]) -> list[str] | None:
     """Every context of the files as ``name=tokens@loads`` (the concurrencies any file measured it at, an entry
     without its own at the file's ``--concurrency``), in first-seen order; None if one name has two sizes."""
-    sizes: dict[str, str] = {}
+    sizes: dict[str, int] = {}
     loads: dict[str, set[int]] = {}
     for d in docs:
+        default = [int(x) for x in str(_workload_arg(d, "concurrency")).split(",")]
         for c in _context_specs(d):
-            spec, _, conc = c.partition("@")
-            name, _, tokens = spec.partition("=")
+            name, tokens, ran = parse_context(c, default)
             if sizes.setdefault(name, tokens) != tokens:
                 return None
-            conc = conc or str(_workload_arg(d, "concurrency"))
-            loads.setdefault(name, set()).update(int(x) for x in conc.split(","))
+            loads.setdefault(name, set()).update(ran)
     return [f"{name}={tokens}@{','.join(map(str, sorted(loads[name])))}" for name, tokens in sizes.items()]
 
 
