@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "eval"))
 
 import accuracy
-from needle_retention import predictive_heads
+from needle_retention import needle_turns, predictive_heads
 from results_io import RESULTS, summary_row, write_result
 
 from tangram_sgl.profile import TangramProfile, load_profile
@@ -61,10 +61,9 @@ def floored_profile(profile: TangramProfile, heads: Sequence[tuple[int, int]], f
                                                                  "floor": floor})
 
 
-def later_needle_turns(turns: list[dict], label: str) -> dict[tuple, bool]:
-    """(conversation, turn) -> correct for the needle task's turns 2-4 of one method label."""
-    return {(t["conversation"], t["turn"]): bool(t["correct"]) for t in turns
-            if t["task"] == "needle" and t["turn"] > 0 and accuracy.MethodSpec(t["method"], t["budget"]).label == label}
+def later_turns(turns: list[dict], seed: int) -> dict[tuple, bool]:
+    """(seed, conversation, turn) -> correct for turns 2-4 of one seed's needle turn records."""
+    return {(seed, t["conversation"], t["turn"]): bool(t["correct"]) for t in turns if t["turn"] > 0}
 
 
 def compare(probe: dict[tuple, bool], other: dict[tuple, bool]) -> dict:
@@ -115,21 +114,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
             accuracy.main(["--tasks", "needle", "--methods", "tangram", "--budgets", f"{retention['budget']:g}",
                            "--seed", str(seed), "--scorer", SCORER, "--threads", str(args.threads),
                            "--profile", str(Path(tmp) / "profile.json"), "--out", str(out)])
-            run = json.loads(out.read_text())["data"]["turns"]
+            run = needle_turns(json.loads(out.read_text())["data"], tangram)
             turns += [{"seed": seed, **{k: t[k] for k in ("conversation", "turn", "expected", "answer", "correct",
                                                           "kept_fraction")}} for t in run]
             kept["probe"] += [t["kept_fraction"] for t in run]
-            mine = later_needle_turns(run, tangram)
-            base = json.loads((RESULTS / f"accuracy_cpu_seed{seed}_p31.json").read_text())["data"]["turns"]
+            mine = later_turns(run, seed)
+            probe.update(mine)
+            base = json.loads((RESULTS / f"accuracy_cpu_seed{seed}_p31.json").read_text())["data"]
             cells = {"seed": seed, "probe": sum(mine.values())}
             for label, pooled in shipped_runs.items():
-                theirs = later_needle_turns(base, label)
-                pooled.update({(seed, *k): v for k, v in theirs.items()})
-                cells[label] = sum(theirs.values())
+                theirs = needle_turns(base, label)
+                later = later_turns(theirs, seed)
+                pooled.update(later)
+                cells[label] = sum(later.values())
                 if label in kept:
-                    kept[label] += [t["kept_fraction"] for t in base if t["task"] == "needle"
-                                    and accuracy.MethodSpec(t["method"], t["budget"]).label == label]
-            probe.update({(seed, *k): v for k, v in mine.items()})
+                    kept[label] += [t["kept_fraction"] for t in theirs]
             per_seed.append(cells)
     n = len(probe)
     answered = {"probe": sum(probe.values()), **{label: sum(v.values()) for label, v in shipped_runs.items()}}

@@ -82,15 +82,18 @@ def heads_keeping(engine: Any, prompt_ids: Sequence[int], positions: Sequence[in
     return keeps
 
 
+def needle_turns(data: dict, label: str) -> list[dict]:
+    """One accuracy result's needle-task turn records of method ``label``."""
+    return [t for t in data["turns"] if t["task"] == "needle" and MethodSpec(t["method"], t["budget"]).label == label]
+
+
 def turn_correctness(paths: Sequence[Path], labels: Sequence[str]) -> dict[tuple, bool]:
     """(label, seed, conversation, turn) -> correct, from accuracy runs' per-seed result files."""
     out = {}
     for p in paths:
         data = json.loads(p.read_text())["data"]
-        for t in data["turns"]:
-            label = MethodSpec(t["method"], t["budget"]).label
-            if t["task"] == "needle" and label in labels:
-                out[(label, data["seed"], t["conversation"], t["turn"])] = bool(t["correct"])
+        out.update({(label, data["seed"], t["conversation"], t["turn"]): bool(t["correct"])
+                    for label in labels for t in needle_turns(data, label)})
     return out
 
 
