@@ -33,6 +33,9 @@ Tasks (generated offline, deterministic by seed; the shipped profiles were calib
 
     python eval/accuracy.py [--samples N] [--budgets 0.5,0.25] [--tasks needle,kv,ruler_niah] [--out PATH]
     python eval/accuracy.py --quick --out /tmp/acc.json      # 2 samples, 1 task, tiny lengths, budget 1.0
+    python eval/accuracy.py --pool A.json B.json --out P.json  # several seeds' runs scored together
+    python eval/accuracy.py --pool A.json B.json --tangram-from A2.json B2.json --out P.json
+        # the same, tangram turns from runs of another profile (--methods tangram --profile P) on those seeds
 """
 
 from __future__ import annotations
@@ -440,9 +443,11 @@ def paired(records: list[dict], a: str, b: str) -> dict | None:
     return {"turns": len(common), f"only_{a}": only_a, f"only_{b}": only_b, "mcnemar_exact_p": float(p)}
 
 
-def targets(scores: dict, budgets: Sequence[float], scorer: str = "snapkv", model: str = "smollm2") -> list[dict]:
+def targets(scores: dict, budgets: Sequence[float], scorer: str = "snapkv", model: str = "smollm2",
+            profiles: dict[str, str] | None = None) -> list[dict]:
     """Summary rows: one per (budget, method), tangram rows carrying the issue's targets; compressed
-    methods' labels name a scorer other than plain ``snapkv``, and every label a model other than SmolLM2."""
+    methods' labels name a scorer other than plain ``snapkv``, every label a model other than SmolLM2, and tangram
+    labels the profile file when ``profiles`` (label -> path) names one other than the shipped default."""
 
     def pct(label: str) -> float | None:
         s = scores.get(label, {}).get("all", {}).get("score")
@@ -451,7 +456,9 @@ def targets(scores: dict, budgets: Sequence[float], scorer: str = "snapkv", mode
     def row(label: str, target: str = "", met: bool | None = None) -> dict:
         a = scores[label]["all"]
         kept = f", KV kept {a['kv_kept_fraction']:.3f}" if a["kv_kept_fraction"] is not None else ""
-        by = f" [{scorer}]" if scorer != "snapkv" and label != "full" else ""
+        tags = [scorer] if scorer != "snapkv" and label != "full" else []
+        tags += [Path(profiles[label]).stem] if profiles and label in profiles else []
+        by = f" [{'; '.join(tags)}]" if tags else ""
         on = f" on {MODELS[model][0]}" if model != "smollm2" else ""
         return summary_row(
             f"retrieval accuracy {label}{by}{on} (n={a['n']}{kept})", round(pct(label), 1), "% turns", target, met
@@ -555,7 +562,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--pool", nargs="+", type=Path, metavar="JSON",
                     help="no run: pool the turns of these result files (distinct seeds, same model and scorer) into "
                          "--out")
+    ap.add_argument("--tangram-from", nargs="+", type=Path, metavar="JSON",
+                    help="with --pool: runs of another tangram profile (--methods tangram --profile P), one per pooled "
+                         "seed and budget, whose tangram turns replace the pooled ones (kept as tangram-base for a "
+                         "paired test)")
     args = ap.parse_args(argv)
+    if args.tangram_from and not args.pool:
+        ap.error("--tangram-from goes with --pool")
     if args.quick:
         args.samples, args.tasks, args.methods, args.budgets = 2, "needle", "full,uniform", "1.0"
     args.budgets = [float(b) for b in args.budgets.split(",")]
@@ -575,17 +588,46 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 POOL_SAME = ("model_name", "scorer", "sizes", "max_new_tokens", "kv_tokens")  # what pooled runs must share
 
 
-def pool_results(paths: Sequence[Path]) -> tuple[dict, list[dict]]:
+def _seed_turns(runs: Sequence[dict], method: str | None = None) -> list[dict]:
+    """The runs' turns (of ``method`` only, if given), conversations renamed ``seed:conversation``."""
+    return [{**t, "conversation": f"{r['seed']}:{t['conversation']}"} for r in runs for t in r["turns"]
+            if method is None or t["method"] == method]
+
+
+def pool_results(paths: Sequence[Path], tangram_from: Sequence[Path] = ()) -> tuple[dict, list[dict]]:
     """(data, summary rows) of several runs' turns taken together (distinct task seeds, the same model, scorer,
     sizes and limits): scores, CIs and turn-paired McNemar tests over every seed's conversations, so a target is
-    judged on the pooled sample rather than on whichever seed's 80 turns happen to be read."""
+    judged on the pooled sample rather than on whichever seed's 80 turns happen to be read.
+
+    ``tangram_from``: runs of other tangram profiles (``--methods tangram --profile P``), one per pooled seed and
+    budget; their tangram turns replace the pooled runs' tangram turns of the same budgets, which stay as
+    ``tangram-base`` for a turn-paired comparison (uniform and full KV turns are the same code's and are reused)."""
     # runs from before --model existed have no model_name: they ran the default, SmolLM2
     runs = [{"model_name": "smollm2", **json.loads(Path(p).read_text())["data"]} for p in paths]
+    subs = [{"model_name": "smollm2", **json.loads(Path(p).read_text())["data"]} for p in tangram_from]
     for key in POOL_SAME:
-        values = {json.dumps(r[key], sort_keys=True) for r in runs}
+        values = {json.dumps(r[key], sort_keys=True) for r in runs + subs}
         if len(values) > 1:
             raise SystemExit(f"--pool: the runs differ in {key}: {sorted(values)}")
-    records = [{**t, "conversation": f"{r['seed']}:{t['conversation']}"} for r in runs for t in r["turns"]]
+    records = _seed_turns(runs)
+    profiles: dict[str, str] = {}
+    if subs:
+        seeds_by_budget: dict[float, list[int]] = {}
+        for r in subs:
+            for b in {t["budget"] for t in r["turns"] if t["method"] == "tangram"}:
+                seeds_by_budget.setdefault(b, []).append(r["seed"])
+        seeds = sorted(r["seed"] for r in runs)
+        if bad := {b: sorted(s) for b, s in seeds_by_budget.items() if sorted(s) != seeds}:
+            raise SystemExit(f"--tangram-from: give one run per pooled seed {seeds} and budget, got seeds {bad}")
+        new = _seed_turns(subs, "tangram")
+        replaced = set(seeds_by_budget)
+        records = [{**t, "method": "tangram-base"} if t["method"] == "tangram" and t["budget"] in replaced else t
+                   for t in records] + new
+        named = {(label, cfg["profile"]) for r in subs for label, cfg in r["methods"].items()
+                 if label.startswith("tangram@")}
+        profiles = dict(sorted(named))
+        if len(profiles) != len(named):
+            raise SystemExit(f"--tangram-from: the runs used different profiles: {sorted(named)}")
     keys = [(t["method"], t["budget"], t["task"], t["conversation"], t["turn"]) for t in records]
     if len(set(keys)) != len(keys):
         raise SystemExit("--pool: two runs hold the same turns of the same method (one seed pooled twice?)")
@@ -599,15 +641,17 @@ def pool_results(paths: Sequence[Path]) -> tuple[dict, list[dict]]:
         **{key: runs[0][key] for key in ("model", *POOL_SAME)},
         "budgets": budgets,
         "tasks": tasks,
+        **({"tangram_profiles": profiles, "tangram_from": [Path(p).name for p in tangram_from]} if profiles else {}),
         "paired": {
             f"{x} vs {y}": pr
             for b in budgets
-            for x, y in ((f"tangram@{b:g}", f"uniform@{b:g}"), (f"tangram@{b:g}", "full"))
+            for x, y in ((f"tangram@{b:g}", f"uniform@{b:g}"), (f"tangram@{b:g}", "full"),
+                         (f"tangram@{b:g}", f"tangram-base@{b:g}"))
             if x in scores and y in scores and (pr := paired(records, x, y)) is not None
         },
         "scores": scores,
     }
-    return data, targets(scores, budgets, runs[0]["scorer"], runs[0]["model_name"])
+    return data, targets(scores, budgets, runs[0]["scorer"], runs[0]["model_name"], profiles)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -617,11 +661,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     args = parse_args(argv)
     if args.pool:
-        data, summary = pool_results(args.pool)
+        data, summary = pool_results(args.pool, args.tangram_from or ())
         write_result(args.out.stem, data, summary, directory=args.out.parent)
+        profiles = f"\ntangram: {', '.join(Path(p).name for p in data['tangram_profiles'].values())}" \
+            if "tangram_profiles" in data else ""
         plot(data["scores"], data["budgets"], data["tasks"], args.out.with_suffix(".png"),
-             f"{data['model'].split(' (')[0]}, seeds {', '.join(map(str, data['seeds']))} pooled, {data['scorer']}: "
-             f"accuracy vs mean budget")
+             f"{data['model'].split(' (')[0]}, seeds {', '.join(map(str, data['seeds']))} pooled, {data['scorer']}"
+             f"{profiles}: accuracy vs mean budget")
         for row in summary:
             print(f"{row['metric']}: {row['value']} {row['unit']}  {row['target']} {row['met'] if row['target'] else ''}")
         for name, pr in data["paired"].items():
@@ -695,7 +741,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "turns": records,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_result(args.out.stem, data, targets(scores, args.budgets, args.scorer, args.model), directory=args.out.parent)
+    profiles = {label: cfg["profile"] for label, cfg in configs.items() if label.startswith("tangram@")} \
+        if args.profile else None
+    write_result(args.out.stem, data, targets(scores, args.budgets, args.scorer, args.model, profiles),
+                 directory=args.out.parent)
     plot(
         scores,
         args.budgets,

@@ -19,12 +19,15 @@ QWEN_EA = "tangram_mixed_ov_qwen2.5-coder-0.5b-instruct.ea.r{}"
 SMOL_R05 = "tangram_mixed_bcg_ov_smollm2-135m-instruct.snapkv-p31.r0.5"
 
 
-def _accuracy_sources(name: str, scorer: str, model: str, turns: int,
-                      kept: dict[str, str]) -> list[tuple[str, str]]:
+def _accuracy_sources(name: str, scorer: str, model: str, turns: int, kept: dict[str, str],
+                      profiles: dict[str, str] | None = None) -> list[tuple[str, str]]:
     """The (result, metric) pairs of a pooled accuracy result over ``turns`` turns, in the order tangram / uniform
-    @0.5, tangram / uniform @0.25, full (``kept``: each method's "KV kept" figure as its metric names it)."""
+    @0.5, tangram / uniform @0.25, full (``kept``: each method's "KV kept" figure as its metric names it;
+    ``profiles``: the profile each tangram label names, for a result whose tangram turns came from other profiles)."""
     def metric(method: str) -> str:
-        tag = "" if method == "full" else f" {scorer}"
+        tags = [scorer] if method != "full" else []
+        tags += [profiles[method]] if profiles and method in profiles else []
+        tag = f" [{'; '.join(tags)}]" if tags else ""
         return f"retrieval accuracy {method}{tag}{model} (n={turns}, KV kept {kept[method]})"
 
     return [(name, metric(m)) for m in ("tangram@0.5", "uniform@0.5", "tangram@0.25", "uniform@0.25", "full")]
@@ -58,12 +61,18 @@ HEADLINES = (
      [(GRID_H100, f"{R1} short x{n}: throughput vs stock_flashinfer") for n in (8, 32, 64)]
      + [(LONG_H100, f"{R1_EAGER} long: throughput vs stock_flashinfer")]),
     (5, ("accuracy, SmolLM2-135M (CPU path, 14 seeds pooled), tangram >= uniform at 0.5 and 0.25, and within 5 points "
-         "of full at 0.5; shown: tangram / uniform @0.5, tangram / uniform @0.25, full"),
-     _accuracy_sources("accuracy_cpu_p31_pooled", "[snapkv:pool_kernel=31]", "", 1120,
+         "of full at 0.5; shown: tangram / uniform @0.5, tangram / uniform @0.25, full; profiles with conversation "
+         "retention (session 36)"),
+     _accuracy_sources("accuracy_cpu_p31_conv_pooled", "snapkv:pool_kernel=31", "", 1120,
+                       {"full": "1.000", "uniform@0.5": "0.596", "tangram@0.5": "0.607", "uniform@0.25": "0.360",
+                        "tangram@0.25": "0.369"},
+                       {f"tangram@{b}": f"smollm2-135m-instruct.snapkv-p31-conv.r{b}" for b in ("0.5", "0.25")})),
+    (5, "accuracy, SmolLM2-135M, the same turns with the segment-retention profiles (before session 36)",
+     _accuracy_sources("accuracy_cpu_p31_pooled", "snapkv:pool_kernel=31", "", 1120,
                        {"full": "1.000", "uniform@0.5": "0.596", "tangram@0.5": "0.608", "uniform@0.25": "0.360",
                         "tangram@0.25": "0.372"})),
     (5, "accuracy, Qwen2.5-Coder-0.5B (CPU path, 5 seeds pooled): the same, shown the same way",
-     _accuracy_sources("accuracy_cpu_qwen_ea_pooled", "[expected_attention]", " on Qwen2.5-Coder-0.5B-Instruct", 400,
+     _accuracy_sources("accuracy_cpu_qwen_ea_pooled", "expected_attention", " on Qwen2.5-Coder-0.5B-Instruct", 400,
                        {"full": "1.000", "uniform@0.5": "0.595", "tangram@0.5": "0.617", "uniform@0.25": "0.359",
                         "tangram@0.25": "0.373"})),
     (5, "accuracy, GPU server / CPU path on the same turns (Qwen, snapkv r0.5, then r0.25)",

@@ -13,12 +13,15 @@ import triton
 import triton.language as tl
 
 
-def snapkv_scores_torch(q_obs: torch.Tensor, k: torch.Tensor, *, scale: float, pool_kernel: int = 7) -> torch.Tensor:
+def snapkv_scores_torch(q_obs: torch.Tensor, k: torch.Tensor, *, scale: float, pool_kernel: int = 7,
+                        causal: bool = True) -> torch.Tensor:
     """SnapKV scores of a segment's keys, one row per kv head.
 
-    q_obs: [Hq, w, D] queries of the segment's last w tokens (the observation window), Hq = G * Hkv.
-    k:     [Hkv, n, D] the segment's keys (w <= n; the window is the last w of the n positions).
-    Returns float32 [Hkv, n]: softmax attention of each window query over keys (causal inside the window),
+    q_obs: [Hq, w, D] queries of the observation window, Hq = G * Hkv.
+    k:     [Hkv, n, D] the segment's keys. ``causal``: the window is the last w of the n positions (w <= n) and
+           attends causally inside itself; ``causal=False``: the window lies after the segment (a later turn's
+           question, profiling only) and every query sees every key.
+    Returns float32 [Hkv, n]: softmax attention of each window query over the segment's keys,
     averaged over the window's queries and over the G query heads that share a kv head (GQA), then
     max-pooled along positions with an odd ``pool_kernel`` (SnapKV's clustering).
     """
@@ -29,9 +32,10 @@ def snapkv_scores_torch(q_obs: torch.Tensor, k: torch.Tensor, *, scale: float, p
     g = hq // hkv
     kk = k.float().repeat_interleave(g, dim=0)  # [Hq, n, D]
     logits = torch.einsum("hwd,hnd->hwn", q_obs.float(), kk) * scale
-    qpos = torch.arange(n - w, n, device=k.device)[:, None]
-    kpos = torch.arange(n, device=k.device)[None, :]
-    logits = logits.masked_fill(kpos > qpos, float("-inf"))
+    if causal:
+        qpos = torch.arange(n - w, n, device=k.device)[:, None]
+        kpos = torch.arange(n, device=k.device)[None, :]
+        logits = logits.masked_fill(kpos > qpos, float("-inf"))
     probs = logits.softmax(dim=-1).mean(dim=1)  # [Hq, n]
     scores = probs.view(hkv, g, n).mean(dim=1)
     if pool_kernel > 1:

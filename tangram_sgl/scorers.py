@@ -36,8 +36,10 @@ from tangram_sgl.kernels.scoring import snapkv_scores_torch
 class SegmentTensors:
     """One layer's view of one segment of n tokens (absolute positions [start, start + n)).
 
-    q_obs / q_obs_pre: [Hq, w, D] queries of the last w tokens after / before RoPE.
-    k: [Hkv, n, D] keys after RoPE; v: [Hkv, n, D] values. inv_freq: [D/2] RoPE frequencies.
+    q_obs / q_obs_pre: [Hq, w, D] queries of the observation window after / before RoPE: the segment's last w
+    tokens, or (profiling a later turn's question, ``query_end`` set) the w tokens before absolute position
+    ``query_end`` >= start + n, which see the whole segment. k: [Hkv, n, D] keys after RoPE; v: [Hkv, n, D]
+    values. inv_freq: [D/2] RoPE frequencies.
     """
 
     q_obs: torch.Tensor
@@ -47,10 +49,25 @@ class SegmentTensors:
     scale: float
     start: int
     inv_freq: torch.Tensor
+    query_end: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.query_end is not None and self.query_end < self.start + self.n:
+            raise ValueError(f"query_end {self.query_end} lies inside the segment [{self.start}, {self.start + self.n})")
 
     @property
     def n(self) -> int:
         return int(self.k.shape[1])
+
+    @property
+    def window_end(self) -> int:
+        """Absolute position after the window's last query."""
+        return self.start + self.n if self.query_end is None else self.query_end
+
+    @property
+    def window_in_segment(self) -> bool:
+        """True when the window is the segment's own last tokens (causal among them)."""
+        return self.window_end == self.start + self.n
 
 
 class Scorer(Protocol):
@@ -71,7 +88,8 @@ class SnapKVScorer:
     default_scope: str = "global"
 
     def score(self, seg: SegmentTensors) -> torch.Tensor:
-        return snapkv_scores_torch(seg.q_obs, seg.k, scale=seg.scale, pool_kernel=self.pool_kernel)
+        return snapkv_scores_torch(seg.q_obs, seg.k, scale=seg.scale, pool_kernel=self.pool_kernel,
+                                   causal=seg.window_in_segment)
 
 
 def averaged_rope_matrix(inv_freq: torch.Tensor, first: int, count: int) -> torch.Tensor:
@@ -105,7 +123,7 @@ class ExpectedAttentionScorer:
         mu = q.mean(dim=1)  # [Hq, D]
         qc = q - mu[:, None, :]
         cov = qc.transpose(1, 2) @ qc / max(1, w - 1)  # [Hq, D, D]
-        rot = averaged_rope_matrix(seg.inv_freq, seg.start + n, self.n_future).to(q.device)
+        rot = averaged_rope_matrix(seg.inv_freq, seg.window_end, self.n_future).to(q.device)
         mu_f = mu @ rot.T
         cov_f = rot @ cov @ rot.T
         kk = seg.k.float().repeat_interleave(g, dim=0)  # [Hq, n, D]

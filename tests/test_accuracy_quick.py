@@ -106,10 +106,10 @@ def test_pooled_runs_score_every_seed_and_pair_turns_within_a_seed(tmp_path):
         return {"method": method, "budget": budget, "task": "kv", "conversation": conv, "turn": 0, "correct": correct,
                 "error": None, "kept_fraction": budget, "pages_fraction": None}
 
-    def run(seed, rows, **model_name):
+    def run(seed, rows, name="run", **model_name):
         doc = {"data": {"seed": seed, "model": "m", "scorer": "snapkv", "sizes": {}, "max_new_tokens": 8,
                         "kv_tokens": 64, "turns": [turn(*r) for r in rows], **model_name}}
-        path = tmp_path / f"run{seed}.json"
+        path = tmp_path / f"{name}{seed}.json"
         path.write_text(json.dumps(doc))
         return path
 
@@ -134,3 +134,29 @@ def test_pooled_runs_score_every_seed_and_pair_turns_within_a_seed(tmp_path):
     out = tmp_path / "pooled.json"  # the command: the result and its accuracy-vs-budget figure
     assert mod.main(["--pool", str(a), str(b), "--out", str(out)])["seeds"] == [1000, 2000]
     assert json.loads(out.read_text())["summary"] == summary and out.with_suffix(".png").stat().st_size > 0
+
+    # --tangram-from: another profile's tangram turns replace the pooled ones, which stay as tangram-base
+    def other(seed, rows, profile="p.json"):
+        path = run(seed, rows, name=f"other_{profile}_")
+        doc = json.loads(path.read_text())
+        doc["data"]["methods"] = {"tangram@0.5": {"profile": profile}}
+        path.write_text(json.dumps(doc))
+        return path
+
+    a2 = other(1000, [("tangram", 0.5, 0, True)])
+    b2 = other(2000, [("tangram", 0.5, 0, True), ("tangram", 0.5, 1, False)])
+    data, summary = mod.pool_results([a, b], [a2, b2])
+    assert data["tangram_profiles"] == {"tangram@0.5": "p.json"}
+    assert [r["metric"].split(" (")[0] for r in summary][1:] == ["retrieval accuracy uniform@0.5",
+                                                                   "retrieval accuracy tangram@0.5 [p]"]
+    assert {k: v["all"]["hits"] for k, v in data["scores"].items()} == {
+        "full": 2, "uniform@0.5": 1, "tangram@0.5": 2, "tangram-base@0.5": 2}
+    assert data["paired"]["tangram@0.5 vs tangram-base@0.5"] == {
+        "turns": 3, "only_tangram@0.5": 1, "only_tangram-base@0.5": 1, "mcnemar_exact_p": 1.0}
+    assert data["scores"]["uniform@0.5"] == mod.pool_results([a, b])[0]["scores"]["uniform@0.5"]
+    with pytest.raises(SystemExit, match="one run per pooled seed"):
+        mod.pool_results([a, b], [a2])
+    with pytest.raises(SystemExit, match="different profiles"):
+        mod.pool_results([a, b], [a2, other(2000, [("tangram", 0.5, 0, True)], profile="q.json")])
+    with pytest.raises(SystemExit):  # argparse: --tangram-from needs --pool
+        mod.parse_args(["--tangram-from", str(a2)])

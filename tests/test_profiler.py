@@ -109,17 +109,37 @@ def test_without_the_construction_head_0_is_not_singled_out():
 
 def test_segment_retention_definition():
     gen = torch.Generator().manual_seed(1)
-    per_layer = [torch.rand(3, 100, generator=gen) for _ in range(2)]
+    per_layer = [torch.rand(1, 3, 100, generator=gen) for _ in range(2)]  # one window, 3 heads, 100 tokens
     seg = segment_scores(per_layer, start=0, sink=4, window=10)
-    assert seg.scores.shape == (2, 3, 86) and seg.n == 100
+    assert seg.scores.shape == (1, 2, 3, 86) and seg.n == 100
     kept = segment_kept(seg, 0.25, "layer")
     assert kept.sum(dim=1).tolist() == pytest.approx([75.0, 75.0])  # round(0.25 * 3 heads * 100)
     assert float(segment_kept(seg, 0.25, "global").sum()) == pytest.approx(150.0)
     # identical scores in every head: ties are shared, every head keeps the same
-    tied = segment_scores([torch.ones(3, 100)] * 2, start=50, sink=4, window=10)
+    tied = segment_scores([torch.ones(1, 3, 100)] * 2, start=50, sink=4, window=10)
     assert segment_kept(tied, 0.3, "global").flatten().tolist() == pytest.approx([30.0] * 6)
     # the cap: at ratio 1 every candidate is kept
     assert segment_kept(seg, 1.0, "layer").flatten().tolist() == pytest.approx([86.0] * 6)
+
+
+def test_conversation_retention_is_the_union_over_windows():
+    """A head whose top tokens stay put keeps the same count under two windows; one whose top tokens move keeps
+    the union of both windows' survivors."""
+    n, top = 100, 10
+    stable, moving_a, moving_b = (torch.zeros(n) for _ in range(3))
+    stable[:top] = 1.0
+    moving_a[20:20 + top] = 1.0
+    moving_b[50:50 + top] = 1.0
+    own = segment_scores([torch.stack([stable, moving_a])[None]], start=10, sink=0, window=0)
+    both = segment_scores([torch.stack([torch.stack([stable, moving_a]), torch.stack([stable, moving_b])])],
+                          start=10, sink=0, window=0)
+    assert both.scores.shape == (2, 1, 2, n)
+    ratio = top / n  # 20 slots over 2 heads: exactly the tokens scored 1
+    assert segment_kept(own, ratio, "layer").flatten().tolist() == pytest.approx([10.0, 10.0])
+    assert segment_kept(both, ratio, "layer").flatten().tolist() == pytest.approx([10.0, 20.0])
+    # tied survivors combine as independent draws: 1 - (1 - p_a)(1 - p_b) per token
+    flat = segment_scores([torch.ones(2, 2, n)], start=10, sink=0, window=0)
+    assert segment_kept(flat, 0.25, "layer").flatten().tolist() == pytest.approx([n * (1 - 0.75**2)] * 2)
 
 
 def test_streaming_scorer_gives_uniform_budgets():
@@ -191,6 +211,10 @@ def test_cli_same_seed_same_file(tmp_path):
     run(str(tmp_path / "p-{ratio}.json"), 0, "--scorer", "snapkv:pool_kernel=31")
     wide = load_profile(tmp_path / "p-0.5.json", model_dir)
     assert wide.runtime_scorer == "snapkv:pool_kernel=31" and make_scorer(wide.runtime_scorer).pool_kernel == 31
+    # conversation retention: recorded in the file, and later turns' windows change the budgets
+    conv = run(str(tmp_path / "v-{ratio}.json"), 0, "--retention", "conversation")
+    assert json.loads(conv)["notes"]["retention_windows"] == "conversation" and conv != first
+    assert json.loads(first)["notes"]["retention_windows"] == "segment"
     with pytest.raises(SystemExit):  # argparse: the spec's error, not a traceback
         parser.parse_args(["--model", "m", "--ratio", "0.5", "--out", "x", "--scorer", "snapkv:pool=3"])
     for r in ("0.5", "0.25"):
@@ -214,4 +238,28 @@ def test_captured_scores_match_the_models_own_attention():
         attn = model(input_ids=ids[None], output_attentions=True).attentions
     for li, probs in enumerate(attn):
         want = probs[0, :, -w:, :].mean(dim=1).view(2, 2, 120).mean(dim=1)  # window mean, then GQA mean
-        assert torch.allclose(captured[li][0], want, atol=1e-5), f"layer {li}"
+        assert torch.allclose(captured[li][0][0], want, atol=1e-5), f"layer {li}"
+
+
+def test_later_windows_score_a_segment_by_each_later_question():
+    """With later windows, segment [0, 60) is also scored by segment [60, 120)'s window: the model's attention of
+    those queries restricted to the segment's keys (renormalised), no causal mask."""
+    from tangram_sgl.profiler.capture import SegmentScoreCapture
+    from tangram_sgl.scorers import SnapKVScorer
+
+    model = tiny_model(local=True)
+    model.set_attn_implementation("eager")
+    ids = random_samples(1)[0].ids[:120]
+    w = 8
+    with SegmentScoreCapture(model, [SnapKVScorer(pool_kernel=1)], obs_window=w, later_windows=True) as cap:
+        captured = cap.run(ids, ((0, 60), (60, 120)))[0]
+    with torch.inference_mode():
+        attn = model(input_ids=ids[None], output_attentions=True).attentions
+    for li, probs in enumerate(attn):
+        first, second = captured[li]
+        assert first.shape == (2, 2, 60) and second.shape == (1, 2, 60)
+        own = probs[0, :, 60 - w:60, :60].mean(dim=1).view(2, 2, 60).mean(dim=1)
+        later = probs[0, :, -w:, :60]
+        later = (later / later.sum(dim=-1, keepdim=True)).mean(dim=1).view(2, 2, 60).mean(dim=1)
+        assert torch.allclose(first[0], own, atol=1e-5) and torch.allclose(first[1], later, atol=1e-5), f"layer {li}"
+        assert torch.equal(second[0], captured[li][1][0])

@@ -20,11 +20,13 @@ QWEN_CONFIG = PROFILES / "qwen2.5-coder-0.5b-instruct.config.json"
 
 @pytest.mark.parametrize("ratio", ["0.5", "0.25"])
 @pytest.mark.parametrize(
-    ("slug", "scorer"), [("snapkv", "snapkv"), ("snapkv-p31", "snapkv:pool_kernel=31"), ("ea", "expected_attention")]
+    ("slug", "scorer"), [("snapkv", "snapkv"), ("snapkv-p31", "snapkv:pool_kernel=31"), ("ea", "expected_attention"),
+                         ("snapkv-p31-conv", "snapkv:pool_kernel=31")]
 )
 def test_shipped_smollm2_profiles_are_real_and_valid(ratio, slug, scorer):
     prof = load_profile(PROFILES / f"smollm2-135m-instruct.{slug}.r{ratio}.json", SMOLLM2_CONFIG)
     assert not prof.synthetic and prof.scorer == scorer and prof.num_samples == 50
+    assert prof.notes.get("retention_windows", "segment") == ("conversation" if slug.endswith("-conv") else "segment")
     assert (prof.model.num_layers, prof.model.num_kv_heads) == (30, 3)
     assert prof.mean_budget() == pytest.approx(float(ratio), abs=2e-3)
     b = np.asarray(prof.budget)

@@ -98,3 +98,21 @@ def test_snapkv_averages_the_query_group():
 def test_streaming_is_recency_and_equal_across_heads():
     s = make_scorer("streaming").score(_segment())
     assert torch.equal(s[0], s[1]) and bool((s[0][1:] > s[0][:-1]).all())
+
+
+def test_a_later_window_sees_the_whole_segment():
+    seg = _segment(n=40, w=8)
+    later = SegmentTensors(q_obs=seg.q_obs, q_obs_pre=seg.q_obs_pre, k=seg.k, v=seg.v, scale=seg.scale,
+                           start=seg.start, inv_freq=seg.inv_freq, query_end=seg.start + 200)
+    assert seg.window_in_segment and not later.window_in_segment and later.window_end == 210
+    raw = make_scorer("snapkv:pool_kernel=1")
+    # inside the segment the window's first query cannot see the last keys; after it every query sees them all
+    kk = seg.k.repeat_interleave(3, dim=0)
+    want = (torch.einsum("hwd,hnd->hwn", seg.q_obs, kk) * seg.scale).softmax(-1).mean(1).view(2, 3, 40).mean(1)
+    assert torch.allclose(raw.score(later), want, atol=1e-6) and not torch.allclose(raw.score(seg), want, atol=1e-3)
+    # expected_attention averages RoPE over the positions after the window, wherever it lies
+    ea = make_scorer("expected_attention")
+    assert not torch.allclose(ea.score(later), ea.score(seg))
+    with pytest.raises(ValueError, match="inside the segment"):
+        SegmentTensors(q_obs=seg.q_obs, q_obs_pre=seg.q_obs_pre, k=seg.k, v=seg.v, scale=seg.scale, start=seg.start,
+                       inv_freq=seg.inv_freq, query_end=seg.start + 39)

@@ -42,12 +42,17 @@ def rope_inv_freq(model: Any) -> torch.Tensor:
 
 
 class SegmentScoreCapture:
-    """Context manager: while active, each forward over one sample fills ``scores[scorer][layer][segment]``."""
+    """Context manager: while active, each forward over one sample fills ``scores[scorer][layer][segment]``.
 
-    def __init__(self, model: Any, scorers: Sequence[Scorer], obs_window: int):
+    ``later_windows``: besides its own window, each segment is also scored by the window of every later
+    segment of the sample (the questions of later turns; see ``docs/arch/profiler.md``, conversation retention).
+    """
+
+    def __init__(self, model: Any, scorers: Sequence[Scorer], obs_window: int, later_windows: bool = False):
         self.model = model
         self.scorers = tuple(scorers)
         self.obs_window = obs_window
+        self.later_windows = later_windows
         self.mods = attention_modules(model)
         self.inv_freq = rope_inv_freq(model)
         cfg = model.config
@@ -69,7 +74,8 @@ class SegmentScoreCapture:
 
     @torch.inference_mode()
     def run(self, ids: torch.Tensor, segments: tuple[tuple[int, int], ...]) -> list[list[list[torch.Tensor]]]:
-        """Forward ``ids`` [T] once; returns per scorer, per layer, per segment, float32 scores [Hkv, n]."""
+        """Forward ``ids`` [T] once; returns per scorer, per layer, per segment, float32 scores [W, Hkv, n]:
+        W = 1 (the segment's own window) or, with ``later_windows``, own window then each later segment's."""
         self.segments = segments
         self.scores = [[[] for _ in self.mods] for _ in self.scorers]
         base = getattr(self.model, "model", self.model)  # skip the LM head: only attention inputs matter
@@ -81,24 +87,38 @@ class SegmentScoreCapture:
         def hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             cos, sin = kwargs["position_embeddings"]
-            for a, b in self.segments:
-                seg = self._segment(mod, h[0], cos[0], sin[0], a, b)
+            windows = [self._window(mod, h[0], cos[0], sin[0], a, b) for a, b in self.segments]
+            for i, (a, b) in enumerate(self.segments):
+                k, v = self._keys(mod, h[0], cos[0], sin[0], a, b)
+                own_and_later = windows[i:] if self.later_windows else windows[i:i + 1]
+                segs = [SegmentTensors(q_obs=q_rot, q_obs_pre=q_pre, k=k, v=v, scale=float(mod.scaling), start=a,
+                                       inv_freq=self.inv_freq, query_end=None if end == b else end)
+                        for q_rot, q_pre, end in own_and_later]
                 for si, scorer in enumerate(self.scorers):
-                    self.scores[si][layer].append(scorer.score(seg).float().cpu())
+                    self.scores[si][layer].append(torch.stack([scorer.score(seg).float().cpu() for seg in segs]))
 
         return hook
 
-    def _segment(self, mod: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 a: int, b: int) -> SegmentTensors:
+    def _window(self, mod: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Segment [a, b)'s window queries [Hq, w, D] after and before RoPE, and the window's end b."""
         rope = sys.modules[type(mod).__module__].apply_rotary_pos_emb
         d = mod.head_dim
         w = min(self.obs_window, b - a)
         q = mod.q_proj(h[b - w : b]).view(w, self.num_heads, d).transpose(0, 1)  # [Hq, w, D]
+        if hasattr(mod, "q_norm"):
+            q = mod.q_norm(q)
+        q_rot, _ = rope(q[None], q[None], cos[None, b - w : b], sin[None, b - w : b])
+        return q_rot[0].float(), q.float(), b
+
+    def _keys(self, mod: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Segment [a, b)'s keys (after RoPE) and values, each [Hkv, n, D]."""
+        rope = sys.modules[type(mod).__module__].apply_rotary_pos_emb
+        d = mod.head_dim
         k = mod.k_proj(h[a:b]).view(b - a, self.num_kv_heads, d).transpose(0, 1)  # [Hkv, n, D]
         v = mod.v_proj(h[a:b]).view(b - a, self.num_kv_heads, d).transpose(0, 1)
-        if hasattr(mod, "q_norm"):
-            q, k = mod.q_norm(q), mod.k_norm(k)
-        q_rot, _ = rope(q[None], q[None], cos[None, b - w : b], sin[None, b - w : b])
+        if hasattr(mod, "k_norm"):
+            k = mod.k_norm(k)
         _, k_rot = rope(k[None], k[None], cos[None, a:b], sin[None, a:b])
-        return SegmentTensors(q_obs=q_rot[0].float(), q_obs_pre=q.float(), k=k_rot[0].float(), v=v.float(),
-                              scale=float(mod.scaling), start=a, inv_freq=self.inv_freq)
+        return k_rot[0].float(), v.float()

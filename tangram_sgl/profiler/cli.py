@@ -12,7 +12,13 @@ import torch
 from tangram_sgl.aot_table import DEFAULT_MIN_SPLIT_TOKENS
 from tangram_sgl.profile import GROUPINGS, ModelIdentity, TangramProfile, validate_for_model
 from tangram_sgl.profiler.calibration import SOURCE_SPLITS, TASKS, calibration_set
-from tangram_sgl.profiler.pipeline import BUDGET_MODES, ProfileSettings, collect_scores, profile_from_scores
+from tangram_sgl.profiler.pipeline import (
+    BUDGET_MODES,
+    RETENTIONS,
+    ProfileSettings,
+    collect_scores,
+    profile_from_scores,
+)
 from tangram_sgl.profiler.plots import plot_profile
 from tangram_sgl.profiler.retention import SCOPES
 from tangram_sgl.profiler.segments import tokenize_conversation
@@ -67,6 +73,9 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
                    help="threshold scope for retention (default: the scorer's; snapkv: global)")
     p.add_argument("--budget-mode", choices=BUDGET_MODES, default="matched",
                    help="matched: mean head budget = target; nominal: threshold ratio = target")
+    p.add_argument("--retention", choices=RETENTIONS, default="segment",
+                   help="segment: each turn's tokens ranked by that turn's own window; conversation: a token also "
+                        "counts as kept when a later calibration turn's question would keep it")
     p.add_argument("--samples", type=int, default=50, help="calibration conversations (default 50)")
     p.add_argument("--tokens", type=int, default=1536, help="approximate tokens per conversation")
     p.add_argument("--turns", type=int, default=3, help="turns (segments) per conversation")
@@ -94,7 +103,7 @@ def run_profile(args: argparse.Namespace) -> int:
     lengths = [s.num_tokens for s in samples]
     settings = ProfileSettings(
         scorer=args.scorer, alpha=args.alpha, scope=args.scope or "", budget_mode=args.budget_mode,
-        sink_tokens=args.sink, recent_window=args.window, page_size=args.page_size,
+        retention=args.retention, sink_tokens=args.sink, recent_window=args.window, page_size=args.page_size,
         heads_per_group=args.heads_per_group, grouping=args.grouping, min_split_tokens=args.min_split_tokens,
         notes={"calibration": {
             "tasks": list(args.tasks), "seed": args.seed, "samples": args.samples, "turns": args.turns,
@@ -104,7 +113,8 @@ def run_profile(args: argparse.Namespace) -> int:
         }},
     )
     print(f"profiling {model_dir} on {device}: {len(samples)} conversations, "
-          f"{statistics.mean(lengths):.0f} tokens on average, scorer {settings.scorer}, scope {settings.scope}")
+          f"{statistics.mean(lengths):.0f} tokens on average, scorer {settings.scorer}, scope {settings.scope}, "
+          f"{settings.retention} retention")
     t0 = time.perf_counter()
     scores = collect_scores(model, samples, settings)
     print(f"scored in {time.perf_counter() - t0:.1f}s")

@@ -29,6 +29,8 @@ from tangram_sgl.profiler.segments import TokenizedSample
 from tangram_sgl.scorers import make_scorer
 
 BUDGET_MODES = ("matched", "nominal")
+# segment: each segment scored by its own window; conversation: also by every later turn's window (retention.py)
+RETENTIONS = ("segment", "conversation")
 _BISECT_STEPS = 40
 
 
@@ -40,6 +42,7 @@ class ProfileSettings:
     alpha: float = 2.0
     scope: str = ""  # "" = the scorer's default_scope
     budget_mode: str = "matched"
+    retention: str = "segment"
     sink_tokens: int = 4
     recent_window: int = 32
     page_size: int = 16
@@ -55,20 +58,23 @@ class ProfileSettings:
             raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
         if self.budget_mode not in BUDGET_MODES:
             raise ValueError(f"budget_mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}")
+        if self.retention not in RETENTIONS:
+            raise ValueError(f"retention must be one of {RETENTIONS}, got {self.retention!r}")
 
 
 def collect_scores(model: Any, samples: Sequence[TokenizedSample], settings: ProfileSettings,
                    progress: bool = True) -> list[list[SegmentScores]]:
     """One forward per sample; returns per sample, per segment, the candidate scores of all heads."""
     return collect_scores_multi(model, samples, [settings.scorer], settings.sink_tokens, settings.recent_window,
-                                progress)[settings.scorer]
+                                progress, later_windows=settings.retention == "conversation")[settings.scorer]
 
 
 def collect_scores_multi(model: Any, samples: Sequence[TokenizedSample], scorers: Sequence[str], sink: int,
-                         window: int, progress: bool = True) -> dict[str, list[list[SegmentScores]]]:
+                         window: int, progress: bool = True,
+                         later_windows: bool = False) -> dict[str, list[list[SegmentScores]]]:
     """Like :func:`collect_scores` for several scorers at once (one forward per sample serves them all)."""
     out: dict[str, list[list[SegmentScores]]] = {name: [] for name in scorers}
-    with SegmentScoreCapture(model, [make_scorer(n) for n in scorers], window) as cap:
+    with SegmentScoreCapture(model, [make_scorer(n) for n in scorers], window, later_windows) as cap:
         for s in tqdm(samples, desc=f"profiling ({', '.join(scorers)})", unit="sample", disable=not progress):
             per_scorer = cap.run(s.ids, s.segments)
             for name, per_layer in zip(scorers, per_scorer):
@@ -116,6 +122,7 @@ def profile_from_scores(model: ModelIdentity, scores: list[list[SegmentScores]],
     notes = {
         "retention": "kept fraction of a segment under a shared top-ratio threshold "
                      "(docs/arch/profiler.md)",
+        "retention_windows": settings.retention,
         "threshold_scope": settings.scope,
         "budget_mode": settings.budget_mode,
         "threshold_ratio": round(r, 6),
