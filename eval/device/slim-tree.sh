@@ -4,7 +4,8 @@
 # tree. No device stage reads the result plots or the exactness records, so they can leave the tree for the calls.
 #   bash eval/device/slim-tree.sh out    delete them from the working tree (refused while any has uncommitted changes)
 #   bash eval/device/slim-tree.sh back   restore them from HEAD (`git checkout`), as they were
-# Run from the repository root; `back` before committing (git status shows them as deleted while out).
+# Run from the repository root; `back` before committing and before `eval/report.py` (its results table lists the
+# exactness records; git status shows them as deleted while out).
 set -euo pipefail
 files() { git ls-files -- 'eval/results/*.png' 'eval/results/**/*.png' 'eval/results/exactness_*.json'; }
 case "${1:-}" in
