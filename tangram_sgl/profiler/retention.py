@@ -76,10 +76,10 @@ def segment_kept(seg: SegmentScores, ratio: float, scope: str) -> torch.Tensor:
     if k <= 0:
         return torch.zeros(L, H, dtype=torch.float64)
     tau = pool[:, :, k - 1, None, None]  # [W, P, 1, 1]: one threshold per window and pool
-    gt, eq = seg.scores > tau, seg.scores == tau  # [W, L, H, C]
+    gt, eq = (seg.scores > tau).double(), (seg.scores == tau).double()  # [W, L, H, C]
     pool_dims = (2, 3) if scope == "layer" else (1, 2, 3)
     share = (k - gt.sum(dim=pool_dims, keepdim=True)) / eq.sum(dim=pool_dims, keepdim=True)  # tied survival
-    survive = gt.double() + eq.double() * share.double()
+    survive = gt + eq * share
     return (1.0 - (1.0 - survive).prod(dim=0)).sum(dim=-1)
 
 
