@@ -616,9 +616,11 @@ def pool_results(paths: Sequence[Path], tangram_from: Sequence[Path] = ()) -> tu
         for r in subs:
             for b in {t["budget"] for t in r["turns"] if t["method"] == "tangram"}:
                 seeds_by_budget.setdefault(b, []).append(r["seed"])
-        seeds = sorted(r["seed"] for r in runs)
-        if bad := {b: sorted(s) for b, s in seeds_by_budget.items() if sorted(s) != seeds}:
-            raise SystemExit(f"--tangram-from: give one run per pooled seed {seeds} and budget, got seeds {bad}")
+        pooled = {b: sorted(r["seed"] for r in runs if any(t["method"] == "tangram" and t["budget"] == b
+                                                            for t in r["turns"])) for b in seeds_by_budget}
+        if bad := {b: sorted(s) for b, s in seeds_by_budget.items() if sorted(s) != pooled[b]}:
+            raise SystemExit(f"--tangram-from: give one run per pooled seed and budget (pooled tangram seeds {pooled}), "
+                             f"got seeds {bad}")
         new = _seed_turns(subs, "tangram")
         replaced = set(seeds_by_budget)
         records = [{**t, "method": "tangram-base"} if t["method"] == "tangram" and t["budget"] in replaced else t

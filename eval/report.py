@@ -75,6 +75,12 @@ HEADLINES = (
      _accuracy_sources("accuracy_cpu_qwen_ea_pooled", "expected_attention", " on Qwen2.5-Coder-0.5B-Instruct", 400,
                        {"full": "1.000", "uniform@0.5": "0.595", "tangram@0.5": "0.617", "uniform@0.25": "0.359",
                         "tangram@0.25": "0.373"})),
+    (5, ("accuracy, Qwen2.5-Coder-0.5B, the same turns with conversation-retention profiles (session 37; not the "
+         "default: expected_attention scores barely depend on the window, its budgets moved by at most 0.025)"),
+     _accuracy_sources("accuracy_cpu_qwen_ea_conv_pooled", "expected_attention", " on Qwen2.5-Coder-0.5B-Instruct", 400,
+                       {"full": "1.000", "uniform@0.5": "0.595", "tangram@0.5": "0.619", "uniform@0.25": "0.359",
+                        "tangram@0.25": "0.372"},
+                       {f"tangram@{b}": f"qwen2.5-coder-0.5b-instruct.ea-conv.r{b}" for b in ("0.5", "0.25")})),
     (5, "accuracy, GPU server / CPU path on the same turns (Qwen, snapkv r0.5, then r0.25)",
      [("accuracy_server_qwen", f"{QWEN_R05}: answers containing the expected text"),
       ("accuracy_server_qwen", f"{QWEN_R05}: CPU reference tangram@0.5 on the same turns"),

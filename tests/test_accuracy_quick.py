@@ -139,7 +139,7 @@ def test_pooled_runs_score_every_seed_and_pair_turns_within_a_seed(tmp_path):
     def other(seed, rows, profile="p.json"):
         path = run(seed, rows, name=f"other_{profile}_")
         doc = json.loads(path.read_text())
-        doc["data"]["methods"] = {"tangram@0.5": {"profile": profile}}
+        doc["data"]["methods"] = {f"tangram@{rows[0][1]:g}": {"profile": profile}}
         path.write_text(json.dumps(doc))
         return path
 
@@ -156,6 +156,14 @@ def test_pooled_runs_score_every_seed_and_pair_turns_within_a_seed(tmp_path):
     assert data["scores"]["uniform@0.5"] == mod.pool_results([a, b])[0]["scores"]["uniform@0.5"]
     with pytest.raises(SystemExit, match="one run per pooled seed"):
         mod.pool_results([a, b], [a2])
+    # a seed whose budgets lie in two files (Qwen's 0.5 and 0.25 runs): each budget's replacements match its seeds
+    a25 = run(1000, [("uniform", 0.25, 0, True), ("tangram", 0.25, 0, False)], name="r025_")
+    a2_25 = other(1000, [("tangram", 0.25, 0, True)], profile="p25.json")
+    data, _ = mod.pool_results([a, a25, b], [a2, b2, a2_25])
+    assert {k: v["all"]["hits"] for k, v in data["scores"].items() if "0.25" in k} == {
+        "uniform@0.25": 1, "tangram@0.25": 1, "tangram-base@0.25": 0}
+    with pytest.raises(SystemExit, match="one run per pooled seed"):  # 0.25 pooled at seed 1000 only
+        mod.pool_results([a, a25, b], [a2, b2, a2_25, other(2000, [("tangram", 0.25, 0, True)], profile="p25.json")])
     with pytest.raises(SystemExit, match="different profiles"):
         mod.pool_results([a, b], [a2, other(2000, [("tangram", 0.5, 0, True)], profile="q.json")])
     with pytest.raises(SystemExit):  # argparse: --tangram-from needs --pool

@@ -588,6 +588,25 @@ def test_probe_anchor_cache_gives_each_list_its_own_pages():
     assert 0 not in set().union(*pages) and c["kv_indices"].unique().numel() == sum(lens)
 
 
+def test_probe_rows_time_only_the_given_rows_at_any_shape(tmp_path, monkeypatch):
+    """``probe_decode.py --rows`` (stage ``rows``): only the given AOT rows, each checked against the first row's
+    output; ``--low-budget 1.0`` gives every head the whole context; a malformed row is refused."""
+    import probe_decode
+
+    c = probe_decode.anchor_cache(2, 300, "cpu", torch.float32, low_budget=1.0)
+    assert c["kv_lens"].tolist() == [300] * 6
+    monkeypatch.setattr(sys, "argv", ["probe_decode.py", "--batch", "1", "--context", "520", "--rows", "3/1/1,1/1/1",
+                                      "--out", str(tmp_path), "--name", "rows"])
+    probe_decode.main()
+    doc = json.loads((tmp_path / "rows.json").read_text())
+    assert list(doc["data"]["cases"]) == ["AOT split, row 3/1/1", "AOT split, row 1/1/1"]
+    assert doc["data"]["cases"]["AOT split, row 1/1/1"]["max_abs_diff_vs_first_case"] < 1e-5
+    assert doc["data"]["low_budget"] == 0.14 and doc["summary"] == []  # no GPU, no timings
+    monkeypatch.setattr(sys, "argv", ["probe_decode.py", "--rows", "3/1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        probe_decode.main()
+
+
 def test_rooflines_divide_by_the_measuring_gpus_own_bandwidth():
     """An H100's decode times are not held to the H200's 4.8 TB/s (session 31's H100 files first were)."""
     from results_io import peak_hbm_bytes_per_s

@@ -36,9 +36,14 @@ def test_shipped_smollm2_profiles_are_real_and_valid(ratio, slug, scorer):
 
 
 @pytest.mark.parametrize("ratio", ["0.5", "0.25"])
-def test_shipped_qwen_coder_profiles_are_real_and_valid(ratio):
-    prof = load_profile(PROFILES / f"qwen2.5-coder-0.5b-instruct.snapkv-p31.r{ratio}.json", QWEN_CONFIG)
-    assert not prof.synthetic and prof.scorer == "snapkv:pool_kernel=31" and prof.num_samples == 50
+@pytest.mark.parametrize(
+    ("slug", "scorer"), [("snapkv-p31", "snapkv:pool_kernel=31"), ("ea", "expected_attention"),
+                         ("ea-conv", "expected_attention")]
+)
+def test_shipped_qwen_coder_profiles_are_real_and_valid(ratio, slug, scorer):
+    prof = load_profile(PROFILES / f"qwen2.5-coder-0.5b-instruct.{slug}.r{ratio}.json", QWEN_CONFIG)
+    assert not prof.synthetic and prof.scorer == scorer and prof.num_samples == 50
+    assert prof.notes.get("retention_windows", "segment") == ("conversation" if slug.endswith("-conv") else "segment")
     assert (prof.model.num_layers, prof.model.num_kv_heads, prof.model.num_attention_heads) == (24, 2, 14)
     assert prof.mean_budget() == pytest.approx(float(ratio), abs=2e-3) and np.asarray(prof.budget).std() > 0.05
     with pytest.raises(ProfileError, match="another model"):

@@ -53,6 +53,10 @@
 #   kernels_short_exits  the same with 17 / 32 programs per (request, kv head), the extra ones exiting at once
 #   probe   eval/probe_decode.py: the anchor's decode layer, AOT split vs token-balanced, torch + Triton alone (from
 #           the tree: no bundle)
+#   rows    eval/probe_decode.py --rows: the anchor's layer pattern at other batches and contexts under given AOT rows,
+#           ROWS_CASES="BxN[@F]=ROW,ROW ..." (a row: the 1.0 group's and the two F groups' splits, 5/1/1; F the seven
+#           heads' budget, 0.14 unless given), one JSON per shape, probe_rows_b<B>_<N>[_f<F>], brought back in
+#           $OUT/probe_rows.tgz (the device tool returns a few files a call) (from the tree: no bundle)
 #   kernel_tests  tests/test_kernels.py on CUDA from the tree (no bundle: a bare machine's first call)
 #   kernels_balanced  the token-balanced decode (every program an equal share of the kept tokens) beside the AOT-split
 #           kernel at its default launch: the 32k-64k grid, the short shapes (from the tree: no bundle)
@@ -322,6 +326,16 @@ use_bare_tree() {
 # each case's line also lands in $OUT/probe.log as it is printed, so a call cut short still brings back what it measured
 stage_probe() ( use_bare_tree; cd /tmp && timeout 300 python3 "$R"/eval/probe_decode.py --out "$OUT" 2>&1 \
   | tee "$OUT"/probe.log | tail -12 )
+# the launch simulation's row choice against the GPU (eval/probe_decode.py --rows), one shape a process
+ROWS_CASES="${ROWS_CASES:-32x32768=5/1/1,9/2/2,10/2/2 32x65536=5/1/1,9/2/2,10/2/2 32x8192=5/1/1,9/2/2,10/2/2
+  32x4096=5/1/1,9/2/2,10/2/2 16x32768=9/2/2,10/2/2,32/5/5 16x65536=9/2/2,10/2/2,32/5/5 16x4096=9/2/2,10/2/2,32/5/5
+  8x32768=17/3/3,21/3/3 8x4096=17/3/3,21/3/3 8x4096@1.0=5/5/5,6/6/6 8x32768@1.0=5/5/5,6/6/6}"
+stage_rows() ( use_bare_tree; cd /tmp && for c in $ROWS_CASES; do
+  shape=${c%%=*}; b=${shape%%x*}; n=${shape#*x}; n=${n%%@*}; f=0.14; name="probe_rows_b${b}_${n}"
+  [ "$shape" != "${shape#*@}" ] && { f=${shape#*@}; name="${name}_f$f"; }
+  timeout 120 python3 "$R"/eval/probe_decode.py --batch "$b" --context "$n" --low-budget "$f" --rows "${c#*=}" \
+    --name "$name" --out "$OUT"/rows 2>&1 | tee -a "$OUT"/rows.log | grep -v "^wrote"
+done; tar czf "$OUT"/probe_rows.tgz -C "$OUT"/rows . && rm -r "$OUT"/rows )
 stage_extend() { (cd /tmp && timeout 540 python3 "$R"/eval/bench_extend.py --out "$OUT" 2>&1 | tail -30); }
 # the GPU server's accuracy vs the CPU reference run, same conversations (after `smol`; ~3 min per server)
 stage_accuracy() { timeout 580 python3 eval/accuracy_server.py --model-path "$SMOL" --out "$OUT" \
