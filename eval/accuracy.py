@@ -594,6 +594,15 @@ def _seed_turns(runs: Sequence[dict], method: str | None = None) -> list[dict]:
             if method is None or t["method"] == method]
 
 
+def _tangram_seeds(runs: Sequence[dict]) -> dict[float, list[int]]:
+    """budget -> sorted seeds of the runs holding tangram turns at that budget."""
+    seeds: dict[float, list[int]] = {}
+    for r in runs:
+        for b in {t["budget"] for t in r["turns"] if t["method"] == "tangram"}:
+            seeds.setdefault(b, []).append(r["seed"])
+    return {b: sorted(s) for b, s in seeds.items()}
+
+
 def pool_results(paths: Sequence[Path], tangram_from: Sequence[Path] = ()) -> tuple[dict, list[dict]]:
     """(data, summary rows) of several runs' turns taken together (distinct task seeds, the same model, scorer,
     sizes and limits): scores, CIs and turn-paired McNemar tests over every seed's conversations, so a target is
@@ -612,13 +621,8 @@ def pool_results(paths: Sequence[Path], tangram_from: Sequence[Path] = ()) -> tu
     records = _seed_turns(runs)
     profiles: dict[str, str] = {}
     if subs:
-        seeds_by_budget: dict[float, list[int]] = {}
-        for r in subs:
-            for b in {t["budget"] for t in r["turns"] if t["method"] == "tangram"}:
-                seeds_by_budget.setdefault(b, []).append(r["seed"])
-        pooled = {b: sorted(r["seed"] for r in runs if any(t["method"] == "tangram" and t["budget"] == b
-                                                            for t in r["turns"])) for b in seeds_by_budget}
-        if bad := {b: sorted(s) for b, s in seeds_by_budget.items() if sorted(s) != pooled[b]}:
+        seeds_by_budget, pooled = _tangram_seeds(subs), _tangram_seeds(runs)
+        if bad := {b: s for b, s in seeds_by_budget.items() if s != pooled.get(b, [])}:
             raise SystemExit(f"--tangram-from: give one run per pooled seed and budget (pooled tangram seeds {pooled}), "
                              f"got seeds {bad}")
         new = _seed_turns(subs, "tangram")

@@ -20,13 +20,14 @@ SMOL_R05 = "tangram_mixed_bcg_ov_smollm2-135m-instruct.snapkv-p31.r0.5"
 
 
 def _accuracy_sources(name: str, scorer: str, model: str, turns: int, kept: dict[str, str],
-                      profiles: dict[str, str] | None = None) -> list[tuple[str, str]]:
+                      profile_stem: str = "") -> list[tuple[str, str]]:
     """The (result, metric) pairs of a pooled accuracy result over ``turns`` turns, in the order tangram / uniform
     @0.5, tangram / uniform @0.25, full (``kept``: each method's "KV kept" figure as its metric names it;
-    ``profiles``: the profile each tangram label names, for a result whose tangram turns came from other profiles)."""
+    ``profile_stem``: for a result whose tangram turns came from other profiles, their name before ``.r<budget>``,
+    which each tangram label names)."""
     def metric(method: str) -> str:
         tags = [scorer] if method != "full" else []
-        tags += [profiles[method]] if profiles and method in profiles else []
+        tags += [f"{profile_stem}.r{method.split('@')[1]}"] if profile_stem and method.startswith("tangram@") else []
         tag = f" [{'; '.join(tags)}]" if tags else ""
         return f"retrieval accuracy {method}{tag}{model} (n={turns}, KV kept {kept[method]})"
 
@@ -66,7 +67,7 @@ HEADLINES = (
      _accuracy_sources("accuracy_cpu_p31_conv_pooled", "snapkv:pool_kernel=31", "", 1120,
                        {"full": "1.000", "uniform@0.5": "0.596", "tangram@0.5": "0.607", "uniform@0.25": "0.360",
                         "tangram@0.25": "0.369"},
-                       {f"tangram@{b}": f"smollm2-135m-instruct.snapkv-p31-conv.r{b}" for b in ("0.5", "0.25")})),
+                       "smollm2-135m-instruct.snapkv-p31-conv")),
     (5, "accuracy, SmolLM2-135M, the same turns with the segment-retention profiles (before session 36)",
      _accuracy_sources("accuracy_cpu_p31_pooled", "snapkv:pool_kernel=31", "", 1120,
                        {"full": "1.000", "uniform@0.5": "0.596", "tangram@0.5": "0.608", "uniform@0.25": "0.360",
@@ -80,7 +81,7 @@ HEADLINES = (
      _accuracy_sources("accuracy_cpu_qwen_ea_conv_pooled", "expected_attention", " on Qwen2.5-Coder-0.5B-Instruct", 400,
                        {"full": "1.000", "uniform@0.5": "0.595", "tangram@0.5": "0.619", "uniform@0.25": "0.359",
                         "tangram@0.25": "0.372"},
-                       {f"tangram@{b}": f"qwen2.5-coder-0.5b-instruct.ea-conv.r{b}" for b in ("0.5", "0.25")})),
+                       "qwen2.5-coder-0.5b-instruct.ea-conv")),
     (5, "accuracy, GPU server / CPU path on the same turns (Qwen, snapkv r0.5, then r0.25)",
      [("accuracy_server_qwen", f"{QWEN_R05}: answers containing the expected text"),
       ("accuracy_server_qwen", f"{QWEN_R05}: CPU reference tangram@0.5 on the same turns"),
